@@ -1,0 +1,28 @@
+"""sd-accel: faster, safer Stable Diffusion on diffusers.
+
+>>> from sd_accel import load_pipeline, accelerate, AccelConfig
+>>> pipe = load_pipeline("builtin:tiny-sd15")                       # doctest: +SKIP
+>>> pipe = accelerate(pipe, AccelConfig(sampler="DPM++ 2M Karras"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public names and the module that holds each. Imported on first use, so that
+# `import sd_accel` (the CLI's start, the WebUI's extension scan) does not pull in torch.
+_EXPORTS = {
+    "AccelConfig": "sd_accel.config",
+    "accelerate": "sd_accel.api",
+    "load_pipeline": "sd_accel.api",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'sd_accel' has no attribute {name!r}")

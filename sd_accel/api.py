@@ -1,0 +1,113 @@
+"""The Python entry: ``load_pipeline`` and ``accelerate``. The CLI, the app and the WebUI adapter
+call only this layer."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sd_accel.config import AccelConfig
+from sd_accel.models.load import ModelInfo, load_pipeline
+from sd_accel.optimize.attention import apply_attention, resolve_attention
+from sd_accel.optimize.offload import apply_offload, apply_vae_memory
+from sd_accel.optimize.precision import install_vae_guard, resolve_precision, vae_dtype_for
+
+log = logging.getLogger("sd_accel")
+
+__all__ = ["AccelState", "accelerate", "load_pipeline", "ModelInfo", "resolve_device"]
+
+
+@dataclass
+class AccelState:
+    """What ``accelerate`` actually applied; kept on the pipeline as ``pipe.sd_accel``."""
+
+    config: AccelConfig
+    device: str
+    dtype: str
+    vae_dtype: str
+    attention: str
+    sampler: str | None
+    second_order: bool
+    offload_active: bool
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "vae_dtype": self.vae_dtype,
+            "attention": self.attention,
+            "sampler": self.sampler,
+            "offload": self.config.offload if self.offload_active else "none",
+        }
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={requested!r} but torch sees no CUDA device (torch {torch.__version__})")
+    if requested == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError("device='mps' but this torch has no MPS support")
+    return torch.device(requested)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
+    """Apply ``config`` to a diffusers pipeline in place and return it.
+
+    Works on any device and without engines. Keyword overrides build the config for you.
+
+    >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), precision="bf16", sampler="Euler a")  # doctest: +SKIP
+    >>> pipe.sd_accel.attention                                                                    # doctest: +SKIP
+    'sdpa'
+    """
+    if config is None:
+        config = AccelConfig(**overrides)
+    elif overrides:
+        config = AccelConfig(**{**config.to_dict(), **overrides})
+    if not isinstance(config, AccelConfig):
+        raise TypeError(f"config must be an AccelConfig, got {type(config).__name__}")
+    device = resolve_device(config.device)
+    dtype = resolve_precision(config.precision, device)
+    attention = resolve_attention(config.attention, device)
+
+    vae = getattr(pipe, "vae", None)
+    vae_dtype = vae_dtype_for(vae, dtype, config.vae_precision) if vae is not None else dtype
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.to(dtype=vae_dtype if module is vae else dtype)
+    offload_active = apply_offload(pipe, config.offload, device)
+    if not offload_active:
+        pipe.to(device)
+    apply_attention(pipe, attention)
+    apply_vae_memory(pipe, config.vae_slicing, config.vae_tiling)
+    if vae is not None:
+        install_vae_guard(vae, config.nan_check)
+
+    preset = None
+    if config.sampler is not None:
+        from sd_accel.samplers import apply_sampler
+
+        preset = apply_sampler(pipe, config.sampler)
+    state = AccelState(
+        config=config,
+        device=str(device),
+        dtype=_dtype_name(dtype),
+        vae_dtype=_dtype_name(vae_dtype),
+        attention=attention,
+        sampler=preset.name if preset else None,
+        second_order=bool(preset and preset.second_order),
+        offload_active=offload_active,
+    )
+    pipe.sd_accel = state
+    log.info("accelerated: %s", state.summary())
+    return pipe

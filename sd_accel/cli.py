@@ -1,0 +1,126 @@
+"""The ``sd-accel`` command line. Thin: it parses arguments and calls the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from sd_accel.config import ATTENTION, OFFLOAD, PRECISION
+
+DEFAULT_MODEL = "builtin:tiny-sd15"
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must look like 512x768, got {text!r}") from None
+    if w <= 0 or h <= 0 or w % 8 or h % 8:
+        raise argparse.ArgumentTypeError(f"width and height must be positive multiples of 8, got {text!r}")
+    return w, h
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from sd_accel import AccelConfig, accelerate, load_pipeline
+    from sd_accel.generate import generate, parameters_text, save_png
+
+    config = AccelConfig(precision=args.precision, attention=args.attention, offload=args.offload,
+                         sampler=args.sampler)
+    t0 = time.perf_counter()
+    pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
+    t_load = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pipe = accelerate(pipe, config)
+    t_accel = time.perf_counter() - t0
+    width, height = args.size if args.size else (None, None)
+    result = generate(pipe, args.prompt, negative_prompt=args.negative, steps=args.steps, cfg=args.cfg,
+                      width=width, height=height, batch=args.batch, seed=args.seed)
+    image = result.images[0]
+    params = parameters_text(args.prompt, args.negative, args.steps, pipe.sd_accel.sampler, args.cfg,
+                             args.seed, image.width, image.height, args.model)
+    paths = []
+    for i, img in enumerate(result.images):
+        out = args.out if i == 0 else args.out.with_name(f"{args.out.stem}-{i}{args.out.suffix}")
+        paths.append(str(save_png(img, out, params)))
+    report = {
+        "model": args.model,
+        "family": pipe.sd_accel_model.family,
+        "images": paths,
+        "size": f"{image.width}x{image.height}",
+        "load_s": round(t_load, 3),
+        "accelerate_s": round(t_accel, 3),
+        "generate_s": round(result.seconds, 3),
+        "it_per_s": round(result.it_per_s, 3),
+        "unet_calls": result.unet_calls,
+        **pipe.sd_accel.summary(),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:>13}: {value}")
+        if args.model.startswith("builtin:"):
+            print("note: built-in tiny models have random weights; their images are noise. "
+                  "Pass --model with a real checkpoint for real pictures.")
+    return 0
+
+
+def _cmd_samplers(args: argparse.Namespace) -> int:
+    from sd_accel.samplers import list_presets, resolve
+
+    for name in list_presets():
+        preset = resolve(name)
+        mark = "  (2 UNet calls/step)" if preset.second_order else ""
+        print(f"{name}{mark}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="sd-accel", description="Faster, safer Stable Diffusion.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what sd-accel decides")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate an image and report timings")
+    gen.add_argument("--model", default=DEFAULT_MODEL,
+                     help="a .safetensors checkpoint, a diffusers folder, or builtin:tiny-sd15 / builtin:tiny-sdxl")
+    gen.add_argument("--prompt", default="a photo of a cat")
+    gen.add_argument("--negative", default=None)
+    gen.add_argument("--sampler", default=None, help='a WebUI sampler name, e.g. "DPM++ 2M Karras"')
+    gen.add_argument("--steps", type=int, default=20)
+    gen.add_argument("--cfg", type=float, default=7.0)
+    gen.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT, multiples of 8")
+    gen.add_argument("--batch", type=int, default=1)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--attention", choices=ATTENTION, default="auto")
+    gen.add_argument("--precision", choices=PRECISION, default="auto")
+    gen.add_argument("--offload", choices=OFFLOAD, default="none")
+    gen.add_argument("--allow-pickle", action="store_true", help="allow .ckpt pickle checkpoints (they can run code)")
+    gen.add_argument("--out", type=Path, default=Path("outputs/sd-accel.png"))
+    gen.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    gen.set_defaults(func=_cmd_generate)
+
+    smp = sub.add_parser("samplers", help="list the sampler presets")
+    smp.set_defaults(func=_cmd_samplers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="sd-accel: %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("sd-accel: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"sd-accel: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

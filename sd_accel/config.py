@@ -1,0 +1,66 @@
+"""``AccelConfig``: every choice ``accelerate`` makes, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ATTENTION = ("auto", "xformers", "sdpa", "sliced")
+PRECISION = ("auto", "fp32", "fp16", "bf16")
+VAE_PRECISION = ("auto", "fp32", "same")
+OFFLOAD = ("none", "medvram", "lowvram")
+
+
+def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"AccelConfig.{field}={value!r} is not valid; allowed: {', '.join(allowed)}")
+
+
+@dataclass
+class AccelConfig:
+    """How to accelerate a pipeline. All fields work without engines, on CPU too.
+
+    - ``precision``: weights and compute dtype. ``auto`` is fp16 on CUDA and fp32 elsewhere.
+      ``fp16`` on a device without fp16 support runs fp32 and logs why (bf16 is the CPU's
+      reduced precision).
+    - ``attention``: ``auto`` picks xFormers on CUDA when it imports, else PyTorch SDPA, else sliced.
+    - ``vae_precision``: ``auto`` decodes in fp32 when the VAE's config asks for it (SDXL), else in
+      the pipeline's dtype; ``fp32`` always (the WebUI's ``--no-half-vae``); ``same`` never upcasts.
+      With ``nan_check`` a decode that yields NaN is redone once in fp32 and logged.
+    - ``offload``: ``medvram`` (model CPU offload), ``lowvram`` (sequential offload); CUDA only.
+    - ``sampler``: a WebUI sampler name such as ``"DPM++ 2M Karras"`` (see ``sd_accel.samplers``).
+
+    >>> AccelConfig(precision="fp16", sampler="Euler a").precision
+    'fp16'
+    """
+
+    precision: str = "auto"
+    attention: str = "auto"
+    vae_precision: str = "auto"
+    nan_check: bool = True
+    offload: str = "none"
+    vae_slicing: bool = False
+    vae_tiling: bool = False
+    sampler: str | None = None
+    device: str = "auto"
+    engines: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("precision", self.precision, PRECISION)
+        _check_choice("attention", self.attention, ATTENTION)
+        _check_choice("vae_precision", self.vae_precision, VAE_PRECISION)
+        _check_choice("offload", self.offload, OFFLOAD)
+        for flag in ("nan_check", "vae_slicing", "vae_tiling", "engines"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"AccelConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")
+        ):
+            raise ValueError(f"AccelConfig.device={self.device!r} is not valid; allowed: auto, cpu, cuda, cuda:N, mps")
+        if self.sampler is not None:
+            from sd_accel.samplers import resolve
+
+            resolve(self.sampler)  # raises ValueError with the closest names
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,1 @@
+"""Model sources: shipped configs per family, family detection, offline loading, built-in tiny models."""

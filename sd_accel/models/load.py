@@ -1,0 +1,192 @@
+"""``load_pipeline``: any model source users have, loaded offline into a diffusers pipeline."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import torch
+
+from sd_accel.errors import CheckpointError
+from sd_accel.models.builtin import PREFIX as BUILTIN_PREFIX
+from sd_accel.models.builtin import builtin_path
+from sd_accel.models.checkpoint import PICKLE_SUFFIXES, SAFE_SUFFIXES, load_pickle_state_dict, read_shapes
+from sd_accel.models.detect import Detected, detect
+from sd_accel.models.families import get_family, load_family_configs, materialize, merged
+from sd_accel.models.fit import fit_configs
+from sd_accel.paths import cache_dir
+
+log = logging.getLogger("sd_accel")
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+_INPAINT_CLASSES = {
+    "StableDiffusionPipeline": "StableDiffusionInpaintPipeline",
+    "StableDiffusionXLPipeline": "StableDiffusionXLInpaintPipeline",
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded and from where; kept on the pipeline as ``pipe.sd_accel_model``."""
+
+    source: str
+    family: str
+    inpaint: bool
+    prediction_type: str
+
+
+def _sidecar_prediction_type(path: Path) -> str | None:
+    """The WebUI convention: ``model.yaml`` beside ``model.safetensors`` holds the original config;
+    ``parameterization: "v"`` in it marks a v-prediction model."""
+    yaml_path = path.with_suffix(".yaml")
+    if not yaml_path.exists():
+        return None
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(yaml_path.read_text())
+    except yaml.YAMLError as exc:
+        raise CheckpointError(f"{yaml_path} is not valid YAML ({exc})") from exc
+    params = ((cfg or {}).get("model") or {}).get("params") or {}
+    return "v_prediction" if params.get("parameterization") == "v" else "epsilon"
+
+
+def _family_for(det: Detected, prediction_type: str | None) -> str:
+    if det.family.startswith("sd2") and prediction_type == "epsilon":
+        return "sd2-base"
+    return det.family
+
+
+def _configs_for(det: Detected, family: str, shapes: dict, prediction_type: str | None) -> dict[str, Any]:
+    base = load_family_configs(get_family(family))
+    configs = merged(base, fit_configs(shapes, det, base))
+    if prediction_type is not None:
+        configs["scheduler/scheduler_config.json"]["prediction_type"] = prediction_type
+    if det.inpaint:
+        index = configs["model_index.json"]
+        index["_class_name"] = _INPAINT_CLASSES[index["_class_name"]]
+    return configs
+
+
+def _pickle_to_safetensors(path: Path, allow_pickle: bool) -> Path:
+    """Convert a trusted pickle once into a cached ``.safetensors`` so one loading path serves both."""
+    from safetensors.torch import save_file
+
+    digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode())
+    dest = cache_dir() / "converted" / f"{path.stem}-{digest.hexdigest()[:12]}.safetensors"
+    if not dest.exists():
+        state = load_pickle_state_dict(path, allow_pickle)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+        tmp.replace(dest)
+    return dest
+
+
+def load_single_file(
+    path: Path,
+    *,
+    torch_dtype: torch.dtype | None = None,
+    prediction_type: str | None = None,
+    allow_pickle: bool = False,
+) -> diffusers.DiffusionPipeline:
+    """Load a WebUI-style single-file checkpoint with the shipped configs (no download)."""
+    suffix = path.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        path = _pickle_to_safetensors(path, allow_pickle)
+    elif suffix not in SAFE_SUFFIXES:
+        raise CheckpointError(
+            f"{path.name}: unknown checkpoint type {suffix!r}; expected .safetensors (or .ckpt with allow_pickle=True)"
+        )
+    shapes = read_shapes(path)
+    det = detect(shapes, name=path.name)
+    prediction_type = prediction_type or _sidecar_prediction_type(path)
+    family = _family_for(det, prediction_type)
+    configs = _configs_for(det, family, shapes, prediction_type)
+    folder = materialize(configs)
+    pipe_cls = getattr(diffusers, configs["model_index.json"]["_class_name"])
+    kwargs: dict[str, Any] = {"config": str(folder), "local_files_only": True}
+    if torch_dtype is not None:
+        kwargs["torch_dtype"] = torch_dtype
+    if not det.is_xl:
+        kwargs.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    try:
+        pipe = pipe_cls.from_single_file(str(path), **kwargs)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path.name} looks like {get_family(family).title} but its weights do not fit that "
+            f"architecture ({type(exc).__name__}: {str(exc)[:300]}). It may be truncated, merged "
+            "wrongly, or a variant sd-accel does not know."
+        ) from exc
+    pipe.sd_accel_model = ModelInfo(
+        str(path), family, det.inpaint, pipe.scheduler.config.get("prediction_type", "epsilon")
+    )
+    return pipe
+
+
+def load_diffusers_folder(path: Path, *, torch_dtype: torch.dtype | None = None) -> diffusers.DiffusionPipeline:
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if torch_dtype is not None:
+        kwargs["torch_dtype"] = torch_dtype
+    pipe = diffusers.DiffusionPipeline.from_pretrained(str(path), **kwargs)
+    family = _folder_family(pipe)
+    inpaint = getattr(pipe.unet.config, "in_channels", 4) == 9
+    pipe.sd_accel_model = ModelInfo(
+        str(path), family, inpaint, pipe.scheduler.config.get("prediction_type", "epsilon")
+    )
+    return pipe
+
+
+def _folder_family(pipe: diffusers.DiffusionPipeline) -> str:
+    if hasattr(pipe, "text_encoder_2"):
+        return "sdxl"
+    te = getattr(pipe, "text_encoder", None)
+    if te is not None and te.config.hidden_act == "gelu":
+        return "sd2-v" if pipe.scheduler.config.get("prediction_type") == "v_prediction" else "sd2-base"
+    return "sd15"
+
+
+def load_pipeline(
+    source: str | os.PathLike | diffusers.DiffusionPipeline,
+    *,
+    torch_dtype: torch.dtype | None = None,
+    prediction_type: str | None = None,
+    allow_pickle: bool = False,
+) -> diffusers.DiffusionPipeline:
+    """Load a Stable Diffusion pipeline from what users have, with nothing downloaded.
+
+    ``source`` is a diffusers folder, a single-file checkpoint (``.safetensors``; ``.ckpt`` only
+    with ``allow_pickle=True``), ``"builtin:tiny-sd15"`` / ``"builtin:tiny-sdxl"``, or a pipeline
+    (returned as is). SD 2.x single files are taken as v-prediction (768) unless a WebUI-style
+    ``.yaml`` beside the file or ``prediction_type="epsilon"`` says otherwise.
+
+    >>> pipe = load_pipeline("models/dreamshaper_8.safetensors")  # doctest: +SKIP
+    >>> pipe.sd_accel_model.family                                 # doctest: +SKIP
+    'sd15'
+    """
+    if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    if isinstance(source, diffusers.DiffusionPipeline):
+        return source
+    text = os.fspath(source)
+    if text.startswith(BUILTIN_PREFIX):
+        pipe = load_diffusers_folder(builtin_path(text), torch_dtype=torch_dtype)
+        pipe.sd_accel_model = ModelInfo(text, pipe.sd_accel_model.family, False, pipe.sd_accel_model.prediction_type)
+        return pipe
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {text!r} not found: give a .safetensors file, a diffusers folder, or "
+            "builtin:tiny-sd15 / builtin:tiny-sdxl"
+        )
+    if path.is_dir():
+        if not (path / "model_index.json").exists():
+            raise CheckpointError(f"{path} is a folder without model_index.json: not a diffusers pipeline folder")
+        return load_diffusers_folder(path, torch_dtype=torch_dtype)
+    log.info("loading %s", path)
+    return load_single_file(path, torch_dtype=torch_dtype, prediction_type=prediction_type, allow_pickle=allow_pickle)

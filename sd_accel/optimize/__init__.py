@@ -1,0 +1,1 @@
+"""Torch-level options applied by ``accelerate``: attention, precision and a safe VAE, offload."""

@@ -1,0 +1,427 @@
+"""Sampler presets under the names AUTOMATIC1111 WebUI users know.
+
+A WebUI sampler ("DPM++ 2M", "Euler a", ...) plus a schedule type ("Karras", "SGM Uniform", ...)
+becomes a diffusers scheduler class and the constructor arguments that reproduce it. Names come
+either split (``resolve("DPM++ 2M", "Karras")``) or combined WebUI style
+(``resolve("DPM++ 2M Karras")``); matching ignores case, spaces, ``_`` and ``-`` but never guesses.
+
+>>> preset = resolve("DPM++ 2M SDE Karras")
+>>> preset.scheduler_class, preset.kwargs["algorithm_type"], preset.kwargs["use_karras_sigmas"]
+('DPMSolverMultistepScheduler', 'sde-dpmsolver++', True)
+>>> apply_sampler(pipe, "Euler a").name  # doctest: +SKIP
+'Euler a'
+
+"Automatic" means what it means in WebUI 1.9 and later: the sampler's own default schedule
+(Karras for DPM++ 2M and DPM++ SDE, Exponential for DPM++ 2M SDE), otherwise the model's own
+scheduler settings untouched.
+
+Only what diffusers really implements is offered. WebUI samplers and schedules without a diffusers
+equivalent are still recognised, so asking for one explains why it is missing instead of
+suggesting a look-alike.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+AUTOMATIC = "Automatic"
+
+# Schedule types, in the WebUI's dropdown order. Sigma-based ones also pin timestep_spacing to
+# "linspace": the Euler/Heun/LMS/DPM2 schedulers take sigma_max from the first *spaced* timestep,
+# and with SD's "leading" spacing that would cut the Karras/Exponential/Beta range short of the
+# model's real sigma_max, which is what the WebUI uses.
+_SCHEDULE_KWARGS: dict[str, dict[str, Any]] = {
+    AUTOMATIC: {},
+    # WebUI "Uniform" and "Normal" both sample t evenly from T-1 down to 0: diffusers' linspace.
+    "Uniform": {"timestep_spacing": "linspace"},
+    "Karras": {"use_karras_sigmas": True, "timestep_spacing": "linspace"},
+    "Exponential": {"use_exponential_sigmas": True, "timestep_spacing": "linspace"},
+    # Both step evenly down from t = T-1 and never land on t = 0: diffusers' trailing.
+    "SGM Uniform": {"timestep_spacing": "trailing"},
+    "Simple": {"timestep_spacing": "trailing"},
+    "Normal": {"timestep_spacing": "linspace"},
+    # The WebUI's "DDIM" schedule is the original DDIM discretisation (t = k * T/n + offset).
+    "DDIM": {"timestep_spacing": "leading"},
+    "Beta": {"use_beta_sigmas": True, "timestep_spacing": "linspace"},
+}
+_SCHEDULE_REQUIRES: dict[str, tuple[str, ...]] = {"Beta": ("scipy",)}
+_SCHEDULE_ALIASES: dict[str, str] = {"SGMUniform": "SGM Uniform"}
+
+_SPACING_ONLY = (AUTOMATIC, "Uniform", "SGM Uniform", "Simple", "Normal", "DDIM")
+_ALL_SCHEDULES = tuple(_SCHEDULE_KWARGS)
+
+_UNSUPPORTED_SCHEDULES: dict[str, str] = {
+    "Polyexponential": "diffusers schedulers have no polyexponential sigma option",
+    "KL Optimal": "diffusers schedulers have no KL-optimal sigma option",
+    "Align Your Steps": "Align Your Steps is a fixed sigma table, not a diffusers scheduler option",
+}
+
+
+@dataclass(frozen=True)
+class _Sampler:
+    name: str
+    scheduler_class: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    schedules: tuple[str, ...] = _ALL_SCHEDULES
+    default_schedule: str = AUTOMATIC
+    second_order: bool = False
+    stochastic: bool = False
+    requires: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+
+
+# WebUI order. Aliases are the WebUI's own (its API accepts them).
+_SAMPLERS: tuple[_Sampler, ...] = (
+    _Sampler(
+        "DPM++ 2M",
+        "DPMSolverMultistepScheduler",
+        (("algorithm_type", "dpmsolver++"), ("solver_order", 2)),
+        default_schedule="Karras",
+        aliases=("k_dpmpp_2m",),
+    ),
+    # DPMSolverSDEScheduler is the port of k-diffusion's sample_dpmpp_sde (midpoint step,
+    # Brownian-tree noise); DPMSolverSinglestepScheduler, which some tables list, is deterministic.
+    _Sampler(
+        "DPM++ SDE",
+        "DPMSolverSDEScheduler",
+        default_schedule="Karras",
+        second_order=True,
+        stochastic=True,
+        requires=("torchsde",),
+        aliases=("k_dpmpp_sde",),
+    ),
+    _Sampler(
+        "DPM++ 2M SDE",
+        "DPMSolverMultistepScheduler",
+        (("algorithm_type", "sde-dpmsolver++"), ("solver_order", 2)),
+        default_schedule="Exponential",
+        stochastic=True,
+        aliases=("k_dpmpp_2m_sde",),
+    ),
+    _Sampler(
+        "DPM++ 2M SDE Heun",
+        "DPMSolverMultistepScheduler",
+        (("algorithm_type", "sde-dpmsolver++"), ("solver_order", 2), ("solver_type", "heun")),
+        default_schedule="Exponential",
+        stochastic=True,
+        aliases=("k_dpmpp_2m_sde_heun",),
+    ),
+    # diffusers' Euler ancestral scheduler has no sigma-schedule options, only timestep spacing.
+    _Sampler(
+        "Euler a",
+        "EulerAncestralDiscreteScheduler",
+        schedules=_SPACING_ONLY,
+        stochastic=True,
+        aliases=("k_euler_a", "k_euler_ancestral"),
+    ),
+    _Sampler("Euler", "EulerDiscreteScheduler", aliases=("k_euler",)),
+    _Sampler("LMS", "LMSDiscreteScheduler", requires=("scipy",), aliases=("k_lms",)),
+    _Sampler("Heun", "HeunDiscreteScheduler", second_order=True, aliases=("k_heun",)),
+    _Sampler("DPM2", "KDPM2DiscreteScheduler", second_order=True, aliases=("k_dpm_2",)),
+    _Sampler(
+        "DPM2 a",
+        "KDPM2AncestralDiscreteScheduler",
+        second_order=True,
+        stochastic=True,
+        aliases=("k_dpm_2_a",),
+    ),
+    # Deterministic with the pipelines' default eta=0, as in the WebUI.
+    _Sampler("DDIM", "DDIMScheduler", schedules=_SPACING_ONLY),
+    # PLMS is PNDM without its Runge-Kutta warm-up steps.
+    _Sampler("PLMS", "PNDMScheduler", (("skip_prk_steps", True),), schedules=_SPACING_ONLY),
+    # diffusers' recommended guided-sampling setting (bh2, order 2), not the WebUI's bh1/order 3:
+    # diffusers' bh1 update yields NaN on the final step to sigma 0 (final_sigmas_type "zero").
+    _Sampler(
+        "UniPC",
+        "UniPCMultistepScheduler",
+        (("solver_type", "bh2"), ("solver_order", 2), ("predict_x0", True)),
+    ),
+    # LCMScheduler ignores timestep_spacing: it always walks its own distilled timestep grid.
+    _Sampler("LCM", "LCMScheduler", schedules=(AUTOMATIC,), stochastic=True),
+    # Not in the WebUI (ComfyUI and Forge call it "deis"); offered because diffusers has it.
+    _Sampler("DEIS", "DEISMultistepScheduler", (("algorithm_type", "deis"), ("solver_order", 2))),
+)
+
+_UNSUPPORTED_SAMPLERS: dict[str, str] = {
+    "DPM++ 2S a": "diffusers has no ancestral single-step DPM-Solver++(2S) scheduler",
+    # Compared with k-diffusion on a quadratic x0(lambda): diffusers 0.42's third-order
+    # "sde-dpmsolver++" step flips the sign of the 0.5 in its D2 coefficient (about 10x the error).
+    "DPM++ 3M SDE": (
+        "diffusers documents its SDE DPM-Solver++ for first and second order only, and its "
+        "third-order SDE update does not match k-diffusion's DPM++ 3M SDE; use DPM++ 2M SDE"
+    ),
+    "DPM fast": "diffusers has no equivalent of k-diffusion's DPM-Solver fast",
+    "DPM adaptive": "diffusers has no adaptive-step DPM-Solver scheduler",
+    "Restart": "diffusers has no Restart sampler",
+    "DDIM CFG++": "CFG++ changes the guidance formula, which a scheduler cannot express",
+}
+
+# Solver choices belong to the preset, not the model: whatever a previous preset or the model's own
+# scheduler_config.json set for them is dropped, so "DPM++ 2M Uniform" never inherits Karras sigmas
+# or a third solver order.
+_SOLVER_KEYS = frozenset(
+    {
+        "use_karras_sigmas",
+        "use_exponential_sigmas",
+        "use_beta_sigmas",
+        "use_lu_lambdas",
+        "algorithm_type",
+        "solver_order",
+        "solver_type",
+        "lower_order_final",
+        "euler_at_final",
+        "final_sigmas_type",
+        "predict_x0",
+        "disable_corrector",
+        "solver_p",
+        "skip_prk_steps",
+        "noise_sampler_seed",
+    }
+)
+# Attribute on schedulers made here holding the model's own config, so a later preset starts from
+# the model's settings (e.g. its "leading" spacing), not from the previous preset's.
+_MODEL_CONFIG_ATTR = "_sd_accel_model_config"
+
+
+@dataclass(frozen=True)
+class SamplerPreset:
+    """A resolved sampler: which diffusers scheduler to build, with which arguments.
+
+    ``schedule`` is the schedule actually used: "Automatic" already replaced by the sampler's
+    WebUI default where it has one. ``kwargs`` is a fresh dict on every access.
+
+    >>> p = resolve("Heun", "Karras")
+    >>> p.name, p.scheduler_class, p.second_order
+    ('Heun Karras', 'HeunDiscreteScheduler', True)
+    """
+
+    name: str
+    sampler: str
+    schedule: str
+    scheduler_class: str
+    options: tuple[tuple[str, Any], ...]
+    second_order: bool
+    stochastic: bool
+    requires: tuple[str, ...] = ()
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """Constructor arguments for ``scheduler_class.from_config(config, **kwargs)``."""
+        return dict(self.options)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Packages this preset needs that are not installed (empty when it can be built)."""
+        return tuple(pkg for pkg in self.requires if not _is_installed(pkg))
+
+
+def _is_installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"[\s_\-]+", "", text).casefold()
+
+
+_SAMPLER_INDEX: dict[str, _Sampler] = {_norm(key): s for s in _SAMPLERS for key in (s.name, *s.aliases)}
+_SCHEDULE_INDEX: dict[str, str] = {
+    **{_norm(label): label for label in _SCHEDULE_KWARGS},
+    **{_norm(alias): label for alias, label in _SCHEDULE_ALIASES.items()},
+}
+_UNSUPPORTED_SAMPLER_INDEX = {_norm(k): k for k in _UNSUPPORTED_SAMPLERS}
+_UNSUPPORTED_SCHEDULE_INDEX = {_norm(k): k for k in _UNSUPPORTED_SCHEDULES}
+
+
+def list_samplers() -> list[str]:
+    """Sampler names diffusers can run, in the WebUI's order.
+
+    >>> list_samplers()[:3]
+    ['DPM++ 2M', 'DPM++ SDE', 'DPM++ 2M SDE']
+    """
+    return [s.name for s in _SAMPLERS]
+
+
+def list_schedules(sampler: str | None = None) -> list[str]:
+    """Schedule types, in the WebUI's order: all of them, or those ``sampler`` supports.
+
+    >>> list_schedules("Euler a")
+    ['Automatic', 'Uniform', 'SGM Uniform', 'Simple', 'Normal', 'DDIM']
+    """
+    if sampler is None:
+        return list(_ALL_SCHEDULES)
+    return list(_find_sampler(sampler).schedules)
+
+
+def list_presets(available_only: bool = False) -> list[str]:
+    """Every valid full name: each sampler alone ("Automatic"), then with each of its schedules.
+
+    ``available_only`` leaves out presets whose optional packages (scipy, torchsde) are missing.
+
+    >>> "DPM++ 2M Karras" in list_presets()
+    True
+    """
+    names = []
+    for s in _SAMPLERS:
+        for schedule in s.schedules:
+            name = s.name if schedule == AUTOMATIC else f"{s.name} {schedule}"
+            if not available_only or not _build_preset(s, schedule, name).missing:
+                names.append(name)
+    return names
+
+
+def resolve(name: str, schedule: str | None = None) -> SamplerPreset:
+    """The preset for a WebUI sampler name, combined ("DPM++ 2M Karras") or split.
+
+    Raises ``ValueError`` for unknown names (listing the closest matches), for samplers and
+    schedules diffusers cannot express, and for a schedule the sampler cannot use.
+
+    >>> resolve("dpm++ 2m", "karras").name
+    'DPM++ 2M Karras'
+    """
+    sampler, suffix = _split(name)
+    wanted = _find_schedule(schedule) if schedule is not None else AUTOMATIC
+    if suffix not in (None, AUTOMATIC) and wanted not in (AUTOMATIC, suffix):
+        raise ValueError(f"{name!r} already names the {suffix} schedule, but schedule={schedule!r} was given")
+    if suffix not in (None, AUTOMATIC):
+        wanted = suffix
+    if wanted not in sampler.schedules:
+        raise ValueError(
+            f"{sampler.name} cannot use the {wanted} schedule in diffusers; "
+            f"it supports: {', '.join(sampler.schedules)}"
+        )
+    full_name = sampler.name if wanted == AUTOMATIC else f"{sampler.name} {wanted}"
+    return _build_preset(sampler, wanted, full_name)
+
+
+def make_scheduler(name: str, base_config: Any, schedule: str | None = None):
+    """A new diffusers scheduler for ``name``, keeping the model's settings from ``base_config``.
+
+    ``base_config`` is a scheduler, its ``.config`` or a plain dict. Betas, prediction_type
+    (v_prediction included), steps_offset and timestep_spacing (unless the schedule sets it)
+    come from it; raises ``ImportError`` when the preset needs a package that is missing.
+
+    >>> sched = make_scheduler("DPM++ 2M Karras", pipe.scheduler)  # doctest: +SKIP
+    >>> type(sched).__name__, sched.config.use_karras_sigmas  # doctest: +SKIP
+    ('DPMSolverMultistepScheduler', True)
+    """
+    return _build_scheduler(resolve(name, schedule), base_config)
+
+
+def apply_sampler(pipe: Any, name: str, schedule: str | None = None) -> SamplerPreset:
+    """Replace ``pipe.scheduler`` with the scheduler for ``name``; returns the preset used.
+
+    >>> apply_sampler(pipe, "DPM++ 2M", "Karras").scheduler_class  # doctest: +SKIP
+    'DPMSolverMultistepScheduler'
+    """
+    preset = resolve(name, schedule)
+    pipe.scheduler = _build_scheduler(preset, pipe.scheduler)
+    return preset
+
+
+def _build_preset(sampler: _Sampler, schedule: str, name: str) -> SamplerPreset:
+    effective = sampler.default_schedule if schedule == AUTOMATIC else schedule
+    options = {**dict(sampler.kwargs), **_SCHEDULE_KWARGS[effective]}
+    requires = tuple(dict.fromkeys(sampler.requires + _SCHEDULE_REQUIRES.get(effective, ())))
+    return SamplerPreset(
+        name=name,
+        sampler=sampler.name,
+        schedule=effective,
+        scheduler_class=sampler.scheduler_class,
+        options=tuple(options.items()),
+        second_order=sampler.second_order,
+        stochastic=sampler.stochastic,
+        requires=requires,
+    )
+
+
+def _build_scheduler(preset: SamplerPreset, base_config: Any):
+    if preset.missing:
+        packages = " ".join(preset.missing)
+        raise ImportError(
+            f"The {preset.name!r} sampler needs {', '.join(preset.missing)}, which is not installed "
+            f"(pip install {packages})"
+        )
+    import diffusers
+
+    model_config = _model_config(base_config)
+    config = {k: v for k, v in model_config.items() if k not in _SOLVER_KEYS}
+    scheduler = getattr(diffusers, preset.scheduler_class).from_config(config, **preset.kwargs)
+    setattr(scheduler, _MODEL_CONFIG_ATTR, model_config)
+    return scheduler
+
+
+def _model_config(base_config: Any) -> dict[str, Any]:
+    remembered = getattr(base_config, _MODEL_CONFIG_ATTR, None)
+    if remembered is not None:
+        return dict(remembered)
+    config = getattr(base_config, "config", base_config)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"expected a scheduler, its config or a dict, got {type(base_config).__name__}")
+    return dict(config)
+
+
+def _split(name: str) -> tuple[_Sampler, str | None]:
+    """(sampler, schedule named in the suffix or None); raises ValueError when it can't tell."""
+    key = _norm(name)
+    if key in _SAMPLER_INDEX:
+        return _SAMPLER_INDEX[key], None
+    _raise_if_unsupported_sampler(key, name)
+    for sched_key, label in _SCHEDULE_INDEX.items():
+        prefix = key[: -len(sched_key)]
+        if key.endswith(sched_key) and prefix in _SAMPLER_INDEX:
+            return _SAMPLER_INDEX[prefix], label
+    for sched_key, label in _UNSUPPORTED_SCHEDULE_INDEX.items():
+        prefix = key[: -len(sched_key)]
+        if key.endswith(sched_key) and prefix in _SAMPLER_INDEX:
+            raise ValueError(
+                f"{name!r}: the {label} schedule is not available: {_UNSUPPORTED_SCHEDULES[label]}"
+            )
+    for sched_key in _SCHEDULE_INDEX:
+        prefix = key[: -len(sched_key)]
+        if key.endswith(sched_key) and prefix:
+            _raise_if_unsupported_sampler(prefix, name)
+    raise ValueError(f"unknown sampler {name!r}{_suggest(name, list_presets(), list_samplers())}")
+
+
+def _raise_if_unsupported_sampler(key: str, name: str) -> None:
+    if key in _UNSUPPORTED_SAMPLER_INDEX:
+        label = _UNSUPPORTED_SAMPLER_INDEX[key]
+        raise ValueError(
+            f"{name!r}: the {label} sampler is not available: {_UNSUPPORTED_SAMPLERS[label]}. "
+            f"Available samplers: {', '.join(list_samplers())}"
+        )
+
+
+def _find_sampler(name: str) -> _Sampler:
+    key = _norm(name)
+    if key in _SAMPLER_INDEX:
+        return _SAMPLER_INDEX[key]
+    _raise_if_unsupported_sampler(key, name)
+    raise ValueError(f"unknown sampler {name!r}{_suggest(name, list_samplers(), list_samplers())}")
+
+
+def _find_schedule(name: str) -> str:
+    key = _norm(name)
+    if key in _SCHEDULE_INDEX:
+        return _SCHEDULE_INDEX[key]
+    if key in _UNSUPPORTED_SCHEDULE_INDEX:
+        label = _UNSUPPORTED_SCHEDULE_INDEX[key]
+        raise ValueError(f"the {label} schedule is not available: {_UNSUPPORTED_SCHEDULES[label]}")
+    raise ValueError(
+        f"unknown schedule type {name!r}{_suggest(name, list(_ALL_SCHEDULES), list(_ALL_SCHEDULES))}"
+    )
+
+
+def _suggest(name: str, candidates: list[str], valid: list[str]) -> str:
+    """Close matches among ``candidates``, or the ``valid`` names when nothing is close."""
+    # Compare normalised forms so spacing and case don't hide an obvious match.
+    by_key = {_norm(c): c for c in candidates}
+    close = difflib.get_close_matches(_norm(name), list(by_key), n=5, cutoff=0.6)
+    if not close:
+        return f"; valid names: {', '.join(valid)}"
+    return f"; closest matches: {', '.join(by_key[k] for k in close)}"

@@ -1,0 +1,45 @@
+"""Shared fixtures. Expensive things (tiny pipelines, checkpoints on disk) are session-scoped."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Keep every test run away from the user's real caches and engines, and off the model hub.
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="sd-accel-tests-"))
+os.environ.setdefault("SD_ACCEL_CACHE_DIR", str(_SESSION_TMP / "cache"))
+os.environ.setdefault("SD_ACCEL_ENGINE_DIR", str(_SESSION_TMP / "engines"))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+@pytest.fixture(scope="session")
+def session_tmp() -> Path:
+    return _SESSION_TMP
+
+
+@pytest.fixture(scope="session")
+def tiny_factory():
+    """``tiny_factory(family)`` -> a fresh tiny pipeline (random weights, seed fixed)."""
+    from sd_accel.models.builtin import build_tiny_pipeline
+
+    return build_tiny_pipeline
+
+
+@pytest.fixture(scope="session")
+def tiny_sd15():
+    from sd_accel.models.builtin import build_tiny_pipeline
+
+    return build_tiny_pipeline("sd15")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl():
+    from sd_accel.models.builtin import build_tiny_pipeline
+
+    return build_tiny_pipeline("sdxl")
