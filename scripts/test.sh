@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Set up, lint, and run the whole test suite. Extra arguments go to pytest.
+# The browser tests drive Debian's chromium; as root with apt it is installed here, elsewhere
+# those tests skip and say so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "test: installing Debian's chromium for the browser tests"
+  (apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }) \
+    || echo "test: could not install chromium; the browser tests will skip"
+fi
 .venv/bin/ruff check sd_accel extension scripts tests
 exec .venv/bin/python -m pytest -q -ra "$@"

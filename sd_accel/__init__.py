@@ -18,6 +18,10 @@ _EXPORTS = {
     "AccelConfig": "sd_accel.config",
     "accelerate": "sd_accel.api",
     "load_pipeline": "sd_accel.api",
+    "build_engines": "sd_accel.build",
+    "stats": "sd_accel.runtime.swap",
+    "Profile": "sd_accel.profiles",
+    "EngineCache": "sd_accel.cache.store",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -32,7 +32,7 @@ class AccelState:
     sampler: str | None
     second_order: bool
     offload_active: bool
-    notes: list[str] = field(default_factory=list)
+    engines: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -42,6 +42,7 @@ class AccelState:
             "attention": self.attention,
             "sampler": self.sampler,
             "offload": self.config.offload if self.offload_active else "none",
+            "engines": self.engines,
         }
 
 
@@ -55,6 +56,22 @@ def resolve_device(requested: str) -> torch.device:
     if requested == "mps" and not torch.backends.mps.is_available():
         raise RuntimeError("device='mps' but this torch has no MPS support")
     return torch.device(requested)
+
+
+def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
+    from sd_accel.backends.registry import get_backend
+    from sd_accel.cache.store import EngineCache
+    from sd_accel.runtime.swap import swap_engines
+
+    cache = EngineCache(config.engine_dir)
+    backend = get_backend(config.backend, cache_root=cache.root)
+    found = swap_engines(pipe, cache, backend, fallback=config.engine_fallback)
+    if not any(found.values()):
+        log.warning(
+            "engines=True but %s holds no engine for this model on %s; run build_engines(pipe) or "
+            "`sd-accel build` first. Running torch.", cache.root, backend.name,
+        )
+    return found
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -80,11 +97,16 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
     dtype = resolve_precision(config.precision, device)
     attention = resolve_attention(config.attention, device)
 
+    from sd_accel.runtime.swap import unswap
+
+    unswap(pipe)  # torch options apply to the torch modules; engines are swapped in last
     vae = getattr(pipe, "vae", None)
     vae_dtype = vae_dtype_for(vae, dtype, config.vae_precision) if vae is not None else dtype
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
-            module.to(dtype=vae_dtype if module is vae else dtype)
+            target = vae_dtype if module is vae else dtype
+            if getattr(module, "dtype", None) != target:  # diffusers warns on every .to(dtype)
+                module.to(dtype=target)
     offload_active = apply_offload(pipe, config.offload, device)
     if not offload_active:
         pipe.to(device)
@@ -93,6 +115,9 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
     if vae is not None:
         install_vae_guard(vae, config.nan_check)
 
+    engines_found: dict[str, int] = {}
+    if config.engines:
+        engines_found = _swap_engines(pipe, config)
     preset = None
     if config.sampler is not None:
         from sd_accel.samplers import apply_sampler
@@ -107,6 +132,7 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
         sampler=preset.name if preset else None,
         second_order=bool(preset and preset.second_order),
         offload_active=offload_active,
+        engines=engines_found,
     )
     pipe.sd_accel = state
     log.info("accelerated: %s", state.summary())

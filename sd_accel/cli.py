@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -28,7 +29,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from sd_accel.generate import generate, parameters_text, save_png
 
     config = AccelConfig(precision=args.precision, attention=args.attention, offload=args.offload,
-                         sampler=args.sampler)
+                         sampler=args.sampler, engines=args.engines, engine_dir=args.engine_dir,
+                         backend=args.backend)
     t0 = time.perf_counter()
     pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
     t_load = time.perf_counter() - t0
@@ -56,6 +58,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "it_per_s": round(result.it_per_s, 3),
         "unet_calls": result.unet_calls,
         **pipe.sd_accel.summary(),
+        "components": _component_use(pipe),
     }
     if args.json:
         print(json.dumps(report))
@@ -66,6 +69,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print("note: built-in tiny models have random weights; their images are noise. "
                   "Pass --model with a real checkpoint for real pictures.")
     return 0
+
+
+def _component_use(pipe) -> dict[str, str]:
+    """Per component, "engine", "torch" or "engine+torch", with the fallback reasons."""
+    from sd_accel import stats
+
+    use = {}
+    for name, s in stats(pipe).items():
+        kinds = [k for k, n in (("engine", s["engine_calls"]), ("torch", s["torch_calls"])) if n]
+        use[name] = "+".join(kinds) or "unused"
+        if s["fallbacks"]:
+            use[name] += " (" + "; ".join(s["fallbacks"]) + ")"
+    return use
 
 
 def _cmd_samplers(args: argparse.Namespace) -> int:
@@ -100,16 +116,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--precision", choices=PRECISION, default="auto")
     gen.add_argument("--offload", choices=OFFLOAD, default="none")
     gen.add_argument("--allow-pickle", action="store_true", help="allow .ckpt pickle checkpoints (they can run code)")
+    gen.add_argument("--engines", action="store_true", help="run on the engines built for this model")
+    _engine_args(gen, backend=True)
     gen.add_argument("--out", type=Path, default=Path("outputs/sd-accel.png"))
     gen.add_argument("--json", action="store_true", help="print the report as one JSON line")
     gen.set_defaults(func=_cmd_generate)
 
     smp = sub.add_parser("samplers", help="list the sampler presets")
     smp.set_defaults(func=_cmd_samplers)
+
+    from sd_accel import cli_engines
+
+    cli_engines.add_commands(sub, _engine_args)
     return parser
 
 
+def _engine_args(p: argparse.ArgumentParser, backend: bool = False) -> None:
+    p.add_argument("--engine-dir", default=None, help="engine cache folder (default $SD_ACCEL_ENGINE_DIR or ./engines)")
+    if backend:
+        p.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"), default="auto")
+
+
 def main(argv: list[str] | None = None) -> int:
+    # transformers warns at import about optional image processors that SD never uses.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="sd-accel: %(message)s")
     try:
@@ -117,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sd-accel: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
         print(f"sd-accel: error: {exc}", file=sys.stderr)
         return 2
 

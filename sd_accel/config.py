@@ -9,6 +9,7 @@ ATTENTION = ("auto", "xformers", "sdpa", "sliced")
 PRECISION = ("auto", "fp32", "fp16", "bf16")
 VAE_PRECISION = ("auto", "fp32", "same")
 OFFLOAD = ("none", "medvram", "lowvram")
+BACKENDS = ("auto", "onnxruntime", "tensorrt")
 
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -29,6 +30,9 @@ class AccelConfig:
       With ``nan_check`` a decode that yields NaN is redone once in fp32 and logged.
     - ``offload``: ``medvram`` (model CPU offload), ``lowvram`` (sequential offload); CUDA only.
     - ``sampler``: a WebUI sampler name such as ``"DPM++ 2M Karras"`` (see ``sd_accel.samplers``).
+    - ``engines``: swap in the engines that ``build_engines`` put in ``engine_dir`` (default
+      ``SD_ACCEL_ENGINE_DIR`` or ``./engines``) for ``backend``. A call no engine covers runs
+      torch, warns once and is counted in ``stats(pipe)``, unless ``engine_fallback=False``.
 
     >>> AccelConfig(precision="fp16", sampler="Euler a").precision
     'fp16'
@@ -44,13 +48,17 @@ class AccelConfig:
     sampler: str | None = None
     device: str = "auto"
     engines: bool = False
+    engine_dir: str | None = None
+    backend: str = "auto"
+    engine_fallback: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISION)
         _check_choice("attention", self.attention, ATTENTION)
         _check_choice("vae_precision", self.vae_precision, VAE_PRECISION)
         _check_choice("offload", self.offload, OFFLOAD)
-        for flag in ("nan_check", "vae_slicing", "vae_tiling", "engines"):
+        _check_choice("backend", self.backend, BACKENDS)
+        for flag in ("nan_check", "vae_slicing", "vae_tiling", "engines", "engine_fallback"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"AccelConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.device, str) or not (

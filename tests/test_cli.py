@@ -55,3 +55,96 @@ def test_samplers_lists_presets():
     names = proc.stdout.splitlines()
     assert "DPM++ 2M Karras" in names
     assert any(line.startswith("Heun") and "2 UNet calls" in line for line in names)
+
+
+# ---- engine commands --------------------------------------------------------------------
+
+
+def _json(proc: subprocess.CompletedProcess):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_doctor_reports_device_versions_and_backends():
+    report = _json(sd_accel("doctor", "--json"))
+    assert report["arch"].startswith(("cpu-", "sm"))
+    assert report["versions"]["torch"] and report["versions"]["onnxruntime"]
+    assert report["backends"]["onnxruntime"]["usable"] is True
+    trt = report["backends"]["tensorrt"]
+    assert trt["usable"] or "TensorRT" in trt["why_not"]
+
+
+def test_build_list_generate_delete_prune(tmp_path):
+    engines = str(tmp_path / "engines")
+    built = _json(sd_accel("build", "--static", "--height", "64", "--width", "64", "--components", "unet,vae",
+                           "--engine-dir", engines, "--json"))
+    comps = sorted(e["component"] for e in built["engines"])
+    assert comps == ["unet", "vae_decoder", "vae_encoder"]
+
+    listed = _json(sd_accel("list", "--engine-dir", engines, "--json"))
+    assert sorted(e["name"] for e in listed["engines"]) == sorted(e["name"] for e in built["engines"])
+    assert listed["total_bytes"] == sum(e["size_bytes"] for e in listed["engines"])
+
+    out = tmp_path / "img.png"
+    report = _json(sd_accel("generate", "--engines", "--engine-dir", engines, "--size", "64x64", "--steps", "2",
+                            "--sampler", "Euler", "--out", str(out), "--json"))
+    assert report["components"]["unet"] == "engine"
+    assert report["components"]["vae_decoder"] == "engine"
+    assert out.exists()
+    # a size no engine covers: the report says torch, and why
+    report = _json(sd_accel("generate", "--engines", "--engine-dir", engines, "--size", "72x64", "--steps", "2",
+                            "--sampler", "Euler", "--out", str(out), "--json"))
+    assert report["components"]["unet"].startswith("torch (no engine covers")
+
+    unet = next(e["name"] for e in built["engines"] if e["component"] == "unet")
+    proc = sd_accel("delete", unet, "--engine-dir", engines)
+    assert proc.returncode == 0 and unet in proc.stdout
+    proc = sd_accel("delete", unet, "--engine-dir", engines)
+    assert proc.returncode == 2 and "no engine named" in proc.stderr
+
+    proc = sd_accel("prune", "--max-size", "1B", "--engine-dir", engines)
+    assert proc.returncode == 0 and "2 engine(s) removed" in proc.stdout
+    assert _json(sd_accel("list", "--engine-dir", engines, "--json"))["engines"] == []
+    assert (tmp_path / "engines" / "onnx").is_dir()  # exported ONNX is not an engine; prune keeps it
+
+
+def test_build_bad_model_and_bad_ranges(tmp_path):
+    proc = sd_accel("build", "--model", str(tmp_path / "nope.safetensors"), "--engine-dir", str(tmp_path))
+    assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr
+    proc = sd_accel("build", "--static", "--height", "64-128", "--width", "64", "--engine-dir", str(tmp_path))
+    assert proc.returncode == 2 and "--static needs single values" in proc.stderr
+    proc = sd_accel("build", "--height", "60", "--width", "64", "--engine-dir", str(tmp_path))
+    assert proc.returncode == 2 and "multiples of 8" in proc.stderr
+
+
+def test_ctrl_c_during_build_leaves_no_partial_engine_or_lock(tmp_path):
+    import signal
+    import time
+
+    engines = tmp_path / "engines"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sd_accel.cli", "build", "--static", "--height", "64", "--width", "64",
+         "--engine-dir", str(engines)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+    )
+    seen = ""
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        ch = proc.stdout.read(1)
+        if not ch:
+            break
+        seen += ch
+        if "[2/" in seen:  # the first engine is done, the second is being built
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, seen + rest
+    assert "interrupted" in rest
+    names = [p.name for p in engines.iterdir()]
+    assert not [n for n in names if n.startswith((".tmp", ".trash"))]
+    listed = _json(sd_accel("list", "--engine-dir", str(engines), "--json"))
+    assert len(listed["engines"]) <= 2  # only whole engines, nothing half-written
+    # no stale lock: the same build finishes now
+    built = _json(sd_accel("build", "--static", "--height", "64", "--width", "64", "--engine-dir", str(engines),
+                           "--json"))
+    assert len(built["engines"]) == 4

@@ -1,0 +1,1 @@
+"""Engine backends, one folder each, behind one builder/runner contract (see ``base``)."""

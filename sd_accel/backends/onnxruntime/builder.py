@@ -1,0 +1,116 @@
+"""Build an ONNX Runtime engine: an optimized model saved for one profile.
+
+Static profiles pin every symbolic dimension (``add_free_dimension_override_by_name``), so ORT
+plans for fixed shapes, which on CPU is worth a lot (DESIGN.md). The optimized model bakes in
+CPU-specific layouts, so engines are keyed by CPU class.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+
+from sd_accel.backends.base import BackendInfo, EngineError, Progress, ShapeRanges
+from sd_accel.device import arch_for
+
+ENGINE_FILE = "engine.onnx"
+DATA_FILE = "engine.onnx.data"
+_TWO_GB = 2**31 - 1
+
+
+def _providers(device: str) -> list[str]:
+    import onnxruntime as ort
+
+    if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def symbol_values(onnx_path: Path, shapes: ShapeRanges) -> dict[str, int]:
+    """Symbolic input dims that the profile fixes (min == max), e.g. ``{"B2": 2, "H8": 64}``."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    fixed: dict[str, int] = {}
+    for inp in model.graph.input:
+        if inp.name not in shapes:
+            continue
+        lo, _, hi = shapes[inp.name]
+        for i, dim in enumerate(inp.type.tensor_type.shape.dim):
+            if dim.dim_param and lo[i] == hi[i]:
+                fixed[dim.dim_param] = lo[i]
+    return fixed
+
+
+def session_options(threads: int | None = None, optimize: bool = True):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    # ORT warns that an optimized model is hardware specific; engines are keyed by CPU class.
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    threads = threads or int(os.environ.get("SD_ACCEL_ORT_THREADS", "0"))
+    if threads:
+        opts.intra_op_num_threads = threads
+    return opts
+
+
+class OnnxRuntimeBackend:
+    """ONNX Runtime on the CPU provider (the CUDA provider when present and asked for)."""
+
+    name = "onnxruntime"
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+
+    def info(self) -> BackendInfo:
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            return BackendInfo(self.name, "", arch_for("cpu"), False, f"onnxruntime is not installed ({exc})")
+        dev = "cuda" if _providers(self.device)[0] == "CUDAExecutionProvider" else "cpu"
+        return BackendInfo(self.name, ort.__version__, arch_for(dev), True)
+
+    def precisions(self) -> tuple[str, ...]:
+        return ("fp32",)
+
+    def build(
+        self, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path, progress: Progress
+    ) -> list[str]:
+        import onnxruntime as ort
+
+        if precision not in self.precisions():
+            raise EngineError(f"onnxruntime backend builds {self.precisions()}, not {precision!r}")
+        progress(0.1, "optimizing with ONNX Runtime")
+        opts = session_options()
+        for symbol, value in symbol_values(onnx_path, shapes).items():
+            opts.add_free_dimension_override_by_name(symbol, value)
+        big = sum(f.stat().st_size for f in onnx_path.parent.iterdir() if f.is_file()) > _TWO_GB
+        opts.optimized_model_filepath = str(out_dir / ENGINE_FILE)
+        if big:
+            opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_FILE)
+            opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        try:
+            ort.InferenceSession(str(onnx_path), opts, providers=_providers(self.device))
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
+            raise EngineError(f"ONNX Runtime could not build {onnx_path.name}: {exc}") from exc
+        progress(1.0, "optimized model saved")
+        files = [ENGINE_FILE] + ([DATA_FILE] if (out_dir / DATA_FILE).exists() else [])
+        return files
+
+    def load(self, engine_dir: Path, files: list[str], shapes: ShapeRanges):
+        import onnxruntime as ort
+
+        from sd_accel.backends.onnxruntime.runner import OnnxRuntimeRunner
+
+        # The file is already optimized: skipping the optimizers again makes loading fast.
+        opts = session_options(optimize=False)
+        try:
+            session = ort.InferenceSession(str(engine_dir / ENGINE_FILE), opts, providers=_providers(self.device))
+        except Exception as exc:
+            raise EngineError(
+                f"ONNX Runtime could not load the engine in {engine_dir} ({exc}); delete it and build again"
+            ) from exc
+        return OnnxRuntimeRunner(session, shapes)

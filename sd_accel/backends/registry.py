@@ -1,0 +1,29 @@
+"""Pick a backend by name; ``auto`` is TensorRT on NVIDIA GPUs where it imports, else ONNX Runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sd_accel.config import BACKENDS
+
+
+def get_backend(name: str = "auto", cache_root: Path | None = None):
+    from sd_accel.backends.onnxruntime import OnnxRuntimeBackend
+    from sd_accel.backends.tensorrt import TensorRTBackend
+    from sd_accel.backends.tensorrt.builder import trt_status
+
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not valid; allowed: {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = "tensorrt" if trt_status()[0] else "onnxruntime"
+    if name == "tensorrt":
+        backend = TensorRTBackend(cache_root)
+        info = backend.info()
+        if not info.usable:
+            raise RuntimeError(f"backend='tensorrt' cannot run here: {info.why_not}")
+        return backend
+    return OnnxRuntimeBackend()
+
+
+def default_precision(backend_name: str) -> str:
+    return "fp16" if backend_name == "tensorrt" else "fp32"

@@ -1,0 +1,49 @@
+"""What differs between TensorRT 10.x and 11.x, in one place.
+
+TensorRT 11 builds strongly typed networks only: the FP16/INT8 builder flags, the INT8
+calibrator, ``platform_has_fast_fp16`` and ``device_memory_size`` are gone, so precision comes from
+the ONNX dtypes (an fp16 ONNX for fp16 engines, Q/DQ nodes for INT8). 10.x builds fp16 engines
+from the fp32 ONNX with the FP16 builder flag.
+
+Every branch on these features is mirrored by a group of names in ``api_names`` (``ONLY_10_FP16``,
+``ONLY_11``), which ``tests/test_trt_names.py`` checks against the real binding modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrtFeatures:
+    major: int
+    strongly_typed_only: bool  # 11.x: no precision flags; precision comes from the ONNX
+    precision_flags: bool  # 10.x: BuilderFlag.FP16 / INT8 exist
+
+
+def features(version: str) -> TrtFeatures:
+    """What TensorRT ``version`` (``trt.__version__``) has; ValueError for versions before 10.
+
+    >>> features("10.13.3").precision_flags
+    True
+    >>> features("11.4.0").strongly_typed_only
+    True
+    """
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        raise ValueError(f"not a TensorRT version: {version!r}") from None
+    if major < 10:
+        raise ValueError(
+            f"TensorRT {version} is too old: sd-accel needs 10.x or 11.x (the name-based tensor API)"
+        )
+    if major >= 11:
+        return TrtFeatures(major, strongly_typed_only=True, precision_flags=False)
+    return TrtFeatures(major, strongly_typed_only=False, precision_flags=True)
+
+
+def onnx_precision(precision: str, feats: TrtFeatures) -> str:
+    """The dtype the exported ONNX must carry: strongly typed builds take precision from it."""
+    if feats.strongly_typed_only and precision == "fp16":
+        return "fp16"
+    return "fp32"

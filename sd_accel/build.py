@@ -1,0 +1,170 @@
+"""``build_engines``: export each component once, build one engine per profile, validate it,
+and commit it to the cache; engines already in the cache are reused."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sd_accel.backends.base import EngineError, Progress
+from sd_accel.backends.registry import default_precision, get_backend
+from sd_accel.cache.key import EngineKey
+from sd_accel.profiles import Profile, default_preset
+from sd_accel.profiles import preset as preset_profile
+
+log = logging.getLogger("sd_accel")
+
+
+class BuildCancelled(EngineError):
+    """The build was cancelled; nothing partial was left in the cache."""
+
+
+@dataclass
+class BuildEvent:
+    """One progress report: which engine (``index`` of ``total``), what stage, how far."""
+
+    index: int
+    total: int
+    component: str
+    profile: str
+    stage: str
+    fraction: float
+
+
+def _profiles(pipe, preset: str | None, profiles: Iterable | None) -> list[Profile]:
+    if profiles is not None:
+        if preset is not None:
+            raise ValueError("give preset= or profiles=, not both")
+        out = [Profile.of(p) for p in profiles]
+        if not out:
+            raise ValueError("profiles= is empty")
+        return out
+    family = getattr(getattr(pipe, "sd_accel_model", None), "family", None) or (
+        "sdxl" if hasattr(pipe, "text_encoder_2") else "sd15"
+    )
+    return [preset_profile(preset or default_preset(family))]
+
+
+def _components(specs: dict, components: Iterable[str] | None) -> list[str]:
+    if components is None:
+        return list(specs)
+    wanted = list(components)
+    unknown = [c for c in wanted if c not in specs]
+    if unknown:
+        raise ValueError(f"components {unknown} are not in this pipeline; it has: {', '.join(specs)}")
+    return wanted
+
+
+def build_engines(
+    pipe,
+    preset: str | None = None,
+    *,
+    profiles: Iterable[Profile | dict] | None = None,
+    backend: str = "auto",
+    precision: str = "auto",
+    components: Iterable[str] | None = None,
+    engine_dir: str | Path | None = None,
+    progress: bool | Callable[[BuildEvent], None] = True,
+    cancel: threading.Event | None = None,
+    validate: bool = True,
+) -> list:
+    """Build (or reuse) an engine for every component and profile; returns their cache records.
+
+    >>> build_engines(pipe, preset="dynamic-512-768", backend="auto", precision="auto")  # doctest: +SKIP
+    """
+    from sd_accel.cache.store import EngineCache
+    from sd_accel.components import specs_for
+    from sd_accel.runtime.swap import torch_modules
+
+    cache = EngineCache(engine_dir)
+    be = get_backend(backend, cache_root=cache.root)
+    info = be.info()
+    precision = default_precision(be.name) if precision == "auto" else precision
+    if precision not in be.precisions():
+        raise ValueError(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
+    report = _reporter(progress)
+    records = []
+    with torch_modules(pipe):
+        specs = specs_for(pipe)
+        names = _components(specs, components)
+        profs = _profiles(pipe, preset, profiles)
+        jobs = [(specs[n], p) for n in names for p in profs]
+        for index, (spec, profile) in enumerate(jobs):
+            def tick(frac: float, msg: str, _i=index, _s=spec, _p=profile) -> None:
+                if cancel is not None and cancel.is_set():
+                    raise BuildCancelled("build cancelled; no partial engine was kept")
+                report(BuildEvent(_i, len(jobs), _s.name, _p.tag, msg, frac))
+
+            records.append(_build_one(cache, be, info, spec, profile, precision, tick, validate))
+    report(None)
+    return records
+
+
+def _build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Progress, validate_it: bool):
+    from sd_accel.onnx.export import onnx_artifact
+    from sd_accel.onnx.fingerprint import fingerprint
+    from sd_accel.validate import validate
+
+    key = EngineKey(fingerprint(spec.torch_module()), spec.name, be.name, info.version, info.arch,
+                    precision, profile.tag)
+    existing = cache.get(key)
+    if existing is not None and existing.status == "ok":
+        tick(1.0, "cached")
+        return existing
+    with cache.build_slot(key) as slot:
+        if slot is None:  # another process built it while we waited for the lock
+            tick(1.0, "built by another process")
+            return cache.get(key)
+        start = time.perf_counter()
+        tick(0.0, "exporting ONNX")
+        onnx_path = onnx_artifact(spec, cache.root, progress=lambda f, m: tick(0.4 * f, m))
+        shapes = spec.shape_ranges(profile)
+        files = be.build(onnx_path, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m))
+        result = None
+        if validate_it:
+            tick(0.85, "validating against torch")
+            runner = be.load(slot.dir, files, shapes)
+            try:
+                result = validate(spec, runner, profile, precision, device="cuda" if be.name == "tensorrt" else "cpu")
+            finally:
+                runner.close()
+            if not result.ok:
+                raise EngineError(
+                    f"engine {key.name} failed validation: {result.why}. It was not kept; try a "
+                    "narrower profile or fp32."
+                )
+        record = slot.commit(files, shapes, time.perf_counter() - start, result.to_dict() if result else None, {})
+        tick(1.0, "done")
+        return record
+
+
+def _reporter(progress) -> Callable[[BuildEvent | None], None]:
+    if callable(progress):
+        return lambda ev: ev is not None and progress(ev)
+    if not progress:
+        return lambda ev: None
+    from tqdm.auto import tqdm
+
+    bars: dict[int, tqdm] = {}
+
+    def show(ev: BuildEvent | None) -> None:
+        if ev is None:
+            for bar in bars.values():
+                bar.close()
+            bars.clear()
+            return
+        bar = bars.get(ev.index)
+        if bar is None:
+            for old in bars.values():
+                old.close()
+            bars.clear()
+            bar = bars[ev.index] = tqdm(total=100, desc=f"[{ev.index + 1}/{ev.total}] {ev.component} {ev.profile}",
+                                        unit="%", leave=True)
+        bar.set_postfix_str(ev.stage, refresh=False)
+        bar.update(max(0, int(ev.fraction * 100) - bar.n))
+
+    return show

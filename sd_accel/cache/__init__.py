@@ -1,0 +1,1 @@
+"""The engine cache: engine files on disk, an index, locks and checksums."""

@@ -1,0 +1,53 @@
+"""``EngineKey``: every field that makes an engine unusable elsewhere."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# Bump when the exported graphs change meaning (inputs, outputs, wrapper behaviour):
+# engines built from an older export are then never matched.
+SPEC_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """Two equal keys mean two interchangeable engine files.
+
+    >>> EngineKey("0123456789abcdef", "unet", "onnxruntime", "1.32.0", "cpu-x86_64-avx512",
+    ...           "fp32", "static.b1.h512.w512.t77").name
+    'unet.cpu-x86_64-avx512.fp32.static.b1.h512.w512.t77.onnxruntime-1.32.0.0123456789ab.ae0c0e15.s1'
+    """
+
+    model: str  # fingerprint of the component's weights
+    component: str  # clip, clip2, unet, vae_decoder, vae_encoder
+    backend: str
+    backend_version: str
+    arch: str  # "sm89" for NVIDIA GPUs, a CPU class for CPU engines
+    precision: str  # fp32, fp16, int8
+    profile: str  # Profile.tag
+    spec_version: int = SPEC_VERSION
+
+    @property
+    def name(self) -> str:
+        """A readable, file-system-safe name that is unique per key."""
+        # The short digest of the whole key keeps names unique even where the readable part is
+        # shortened or had unsafe characters replaced.
+        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
+        readable = (
+            f"{self.component}.{self.arch}.{self.precision}.{self.profile}."
+            f"{self.backend}-{self.backend_version}.{self.model[:12]}"
+        )
+        readable = re.sub(r"[^A-Za-z0-9._+-]", "_", readable)[:180]
+        return f"{readable}.{digest}.s{self.spec_version}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineKey:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

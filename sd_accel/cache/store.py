@@ -1,0 +1,888 @@
+"""The engine cache: engine folders on disk, an index rebuilt from them, locks and checksums.
+
+Layout under the root (see :func:`default_engine_dir`)::
+
+    <root>/index.json                  {"schema": 1, "engines": {name: meta}}: a cache of the metas
+    <root>/<key.name>/meta.json        the truth for one engine (an EngineRecord)
+    <root>/<key.name>/<engine files>   whatever names the backend wrote
+    <root>/.locks/<key.name>.lock      held while that engine is built or deleted
+    <root>/.locks/index.lock           held for each index / meta.json update (milliseconds)
+    <root>/.tmp-<key.name>-<pid>/      a build in progress; renamed into place on commit
+    <root>/onnx/, anything else        other modules' files: never listed, never pruned
+
+``meta.json`` is what counts: the index is only a fast path, and it is rebuilt from the
+folders whenever it is missing, unreadable, of another schema or out of step with them.
+
+>>> cache = EngineCache("/tmp/engines")                               # doctest: +SKIP
+>>> with cache.build_slot(key) as slot:                               # doctest: +SKIP
+...     if slot is not None:                  # None: another process built it while we waited
+...         files = backend.build(onnx, shapes, "fp16", slot.dir, progress)
+...         slot.commit(files, shapes, build_seconds=12.5, validation={"ok": True})
+>>> record = cache.get(key)                                           # doctest: +SKIP
+>>> cache.verify(record, arch="sm89", backend_version="10.5.0")       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from ..backends.base import EngineError, ShapeRanges
+from .key import SPEC_VERSION, EngineKey
+
+logger = logging.getLogger(__name__)
+
+INDEX_SCHEMA = 1  # bump when the index or meta.json layout changes meaning
+INDEX_FILE = "index.json"
+META_FILE = "meta.json"
+LOCK_DIR = ".locks"
+RESERVED = frozenset({"onnx"})  # top-level folders owned by other modules
+
+DEFAULT_BUILD_WAIT_S = 3600.0  # a TensorRT build of an SDXL UNet can take tens of minutes
+DEFAULT_DELETE_WAIT_S = 10.0
+INDEX_LOCK_WAIT_S = 30.0  # the index lock is held for milliseconds; longer means trouble
+TOUCH_LOCK_WAIT_S = 1.0
+
+_CHUNK = 8 << 20
+_ENGINE_NAME = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*\.s\d+$")  # EngineKey.name's shape
+_LEFTOVER = re.compile(r"^\.(?:tmp|trash)-(?P<name>.+)-\d+$")
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+# --------------------------------------------------------------------------- locations, sizes
+
+
+def default_engine_dir() -> Path:
+    """The engine cache's default root: ``$SD_ACCEL_ENGINE_DIR``, else ``./engines``.
+
+    ``./engines`` is relative to the current working directory at the time of the call.
+
+    >>> default_engine_dir()  # with SD_ACCEL_ENGINE_DIR=/data/engines      # doctest: +SKIP
+    PosixPath('/data/engines')
+    """
+    env = os.environ.get("SD_ACCEL_ENGINE_DIR")
+    return Path(env).expanduser() if env else Path.cwd() / "engines"
+
+
+_SIZE_UNITS = {
+    "b": 1,
+    **dict.fromkeys(("k", "kb"), 1000),
+    **dict.fromkeys(("m", "mb"), 1000**2),
+    **dict.fromkeys(("g", "gb"), 1000**3),
+    **dict.fromkeys(("t", "tb"), 1000**4),
+    **{"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4},
+}
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def _number_and_unit(text: str, units: dict[str, int], bare: str, what: str, example: str) -> Decimal:
+    """``text`` (a number, then a unit from ``units``; ``bare`` when none) in the base unit."""
+    match = _NUMBER_UNIT.match(str(text))
+    unit = (match[2].lower() or bare) if match else ""
+    if unit not in units:
+        raise ValueError(
+            f"Cannot read {what} {text!r}: write a number and a unit, e.g. {example} "
+            f"(units: {', '.join(units)})."
+        )
+    return Decimal(match[1]) * units[unit]
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as ``20GB``. KB/MB/GB/TB are powers of 1000, KiB..TiB of 1024.
+
+    A bare number is bytes; case and a space before the unit do not matter.
+
+    >>> parse_size("20GB"), parse_size("1.5 kb"), parse_size("2KiB"), parse_size("512")
+    (20000000000, 1500, 2048, 512)
+    """
+    return int(_number_and_unit(text, _SIZE_UNITS, "b", "size", "500MB, 20GB, 1.5TB"))
+
+
+def parse_age(text: str) -> float:
+    """Seconds in an age such as ``30d``: s, m (minutes), h, d, w; a bare number is seconds.
+
+    >>> parse_age("30d"), parse_age("1.5h"), parse_age("90")
+    (2592000.0, 5400.0, 90.0)
+    """
+    return float(_number_and_unit(text, _AGE_UNITS, "s", "age", "90s, 30m, 12h, 30d, 2w"))
+
+
+def format_size(n: int | float) -> str:
+    """A human-readable size, powers of 1000 like :func:`parse_size`.
+
+    >>> format_size(1_500_000_000), format_size(12)
+    ('1.5 GB', '12 B')
+    """
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def _safe_relative(name: str) -> str:
+    """``name`` as a relative POSIX path inside an engine folder, or ValueError."""
+    path = Path(name)
+    if not name or path.is_absolute() or ".." in path.parts or path.as_posix() == META_FILE:
+        raise ValueError(
+            f"{name!r} cannot name an engine file (relative, inside the folder, not {META_FILE})"
+        )
+    return path.as_posix()
+
+
+def _shapes_to_json(shapes: ShapeRanges) -> dict[str, list[list[int]]]:
+    return {name: [list(s) for s in ranges] for name, ranges in shapes.items()}
+
+
+def _shapes_from_json(data: dict[str, Any]) -> ShapeRanges:
+    out: ShapeRanges = {}
+    for name, ranges in data.items():
+        lo, opt, hi = (tuple(int(d) for d in s) for s in ranges)
+        out[str(name)] = (lo, opt, hi)
+    return out
+
+
+@dataclass
+class EngineRecord:
+    """What the cache knows about one engine; ``meta.json`` holds it as JSON.
+
+    ``shapes`` is the backend's :data:`ShapeRanges` (tuples in memory, nested lists on disk).
+    ``checksum`` is ``sha256:<hex>`` over the files (see :func:`files_checksum`).
+
+    >>> r = EngineRecord(key, ["model.onnx"], {"x": ((1, 4), (1, 4), (2, 4))}, "sha256:..",
+    ...                  1024, 0.0, 0.0, 3.2)                          # doctest: +SKIP
+    >>> EngineRecord.from_dict(r.to_dict()) == r                        # doctest: +SKIP
+    True
+    """
+
+    key: EngineKey
+    files: list[str]
+    shapes: ShapeRanges
+    checksum: str
+    size_bytes: int
+    created: float
+    last_used: float
+    build_seconds: float
+    validation: dict[str, Any] | None = None
+    status: str = "ok"  # "ok" | "bad"
+    bad_reason: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The engine's folder name, ``key.name``."""
+        return self.key.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict; :meth:`from_dict` reads it back to an equal record."""
+        data = dataclasses.asdict(self)
+        data["key"] = self.key.to_dict()
+        data["shapes"] = _shapes_to_json(self.shapes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineRecord:
+        """The record in ``data``; ValueError saying what is wrong when it is not one."""
+        try:
+            record = cls(
+                key=EngineKey.from_dict(data["key"]),
+                files=[_safe_relative(str(f)) for f in data["files"]],
+                shapes=_shapes_from_json(data["shapes"]),
+                checksum=str(data["checksum"]),
+                size_bytes=int(data["size_bytes"]),
+                created=float(data["created"]),
+                last_used=float(data.get("last_used", data["created"])),
+                build_seconds=float(data.get("build_seconds", 0.0)),
+                validation=data.get("validation"),
+                status=str(data.get("status", "ok")),
+                bad_reason=data.get("bad_reason"),
+                extra=dict(data.get("extra") or {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"not an engine record ({type(exc).__name__}: {exc})") from exc
+        if record.status not in ("ok", "bad"):
+            raise ValueError(f"not an engine record (status {record.status!r})")
+        return record
+
+
+@dataclass(frozen=True)
+class BrokenEngine:
+    """An engine folder that cannot be used (no or unreadable meta.json). Never deleted silently."""
+
+    name: str
+    path: Path
+    reason: str
+
+
+# --------------------------------------------------------------------------- file helpers
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` through a temp file + fsync + os.replace: all or nothing."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def files_checksum(folder: Path, files: Iterable[str]) -> str:
+    """``sha256:<hex>`` over each file's name, length and bytes, in order; streamed.
+
+    >>> files_checksum(Path("engines/unet.sm89..."), ["engine.plan"])  # doctest: +SKIP
+    'sha256:9f2c...'
+    """
+    digest = hashlib.sha256()
+    for name in files:
+        path = folder / name
+        digest.update(name.encode() + b"\0" + struct.pack("<Q", path.stat().st_size))
+        with open(path, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def _plain_json(data: Any) -> Any:
+    """``data`` as it reads back from JSON (numpy / torch scalars become numbers)."""
+    return json.loads(json.dumps(data, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def _files_size(folder: Path, files: Iterable[str]) -> int:
+    return sum((folder / name).stat().st_size for name in files)
+
+
+def _tree_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        if path.exists():
+            logger.warning("could not remove all of %s; delete it by hand", path)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS
+
+
+# --------------------------------------------------------------------------- building
+
+
+class BuildSlot:
+    """A build in progress: write the engine files into :attr:`dir`, then :meth:`commit`.
+
+    Only :meth:`EngineCache.build_slot` makes these; the slot is valid inside its ``with``.
+    """
+
+    def __init__(self, cache: EngineCache, key: EngineKey, folder: Path) -> None:
+        self.key = key
+        self.dir = folder
+        self.record: EngineRecord | None = None
+        self._cache = cache
+        self._open = True
+
+    def commit(
+        self,
+        files: Iterable[str | Path] | None,
+        shapes: ShapeRanges,
+        build_seconds: float,
+        validation: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> EngineRecord:
+        """Store the engine: checksum, meta.json, rename into place, index. Returns its record.
+
+        ``files`` are paths inside :attr:`dir` (absolute or relative); None takes every file
+        there. A ``validation`` with ``ok`` False stores the engine with status "bad".
+
+        >>> slot.commit(["engine.plan"], shapes, 41.0, {"max_abs": 2e-3, "ok": True})  # doctest: +SKIP
+        """
+        if not self._open or self.record is not None:
+            raise EngineError(f"The build slot of {self.key.name} is closed or already committed.")
+        names = self._relative(files)
+        created = time.time()
+        validation = _plain_json(validation)
+        ok = validation is None or bool(validation.get("ok", True))
+        record = EngineRecord(
+            key=self.key,
+            files=names,
+            shapes={k: (tuple(lo), tuple(opt), tuple(hi)) for k, (lo, opt, hi) in shapes.items()},
+            checksum=files_checksum(self.dir, names),
+            size_bytes=_files_size(self.dir, names),
+            created=created,
+            last_used=created,
+            build_seconds=float(build_seconds),
+            validation=validation,
+            status="ok" if ok else "bad",
+            bad_reason=None if ok else f"validation against torch failed: {validation}",
+            extra=dict(extra or {}),
+        )
+        _write_json_atomic(self.dir / META_FILE, {"schema": INDEX_SCHEMA, **record.to_dict()})
+        self._cache._install(self.dir, record)
+        self.record = record
+        return record
+
+    def _relative(self, files: Iterable[str | Path] | None) -> list[str]:
+        if files is None:
+            found = [p.relative_to(self.dir).as_posix() for p in self.dir.rglob("*") if p.is_file()]
+            files = [f for f in found if f != META_FILE]
+        names = sorted({self._one_relative(Path(f)) for f in files})
+        if not names:
+            raise EngineError(f"The build of {self.key.name} committed no engine files.")
+        return names
+
+    def _one_relative(self, path: Path) -> str:
+        if path.is_absolute():
+            try:
+                path = path.resolve().relative_to(self.dir.resolve())
+            except ValueError:
+                raise EngineError(f"Engine file {path} lies outside the build folder {self.dir}.") from None
+        try:
+            name = _safe_relative(path.as_posix())
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+        if not (self.dir / name).is_file():
+            raise EngineError(f"The build of {self.key.name} did not write {name!r} into {self.dir}.")
+        return name
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+@dataclass
+class _Snapshot:
+    records: dict[str, EngineRecord]
+    broken: list[BrokenEngine]
+    changes: list[str]  # what differs from the index on disk; empty when it is up to date
+
+
+class EngineCache:
+    """Engine files on disk under ``root`` (default :func:`default_engine_dir`).
+
+    Every method reads the disk afresh (no state is shared between instances or processes),
+    so several processes may use one cache at once.
+
+    >>> cache = EngineCache(tmp_path)                                 # doctest: +SKIP
+    >>> [r.name for r in cache.find(component="unet", arch="sm89")]   # doctest: +SKIP
+    ['unet.sm89.fp16.static.b2.h512.w512.t77.tensorrt-10.5.0.0123456789ab.s1']
+    """
+
+    def __init__(self, root: Path | str | None = None) -> None:
+        self.root = Path(root if root is not None else default_engine_dir()).expanduser().absolute()
+        self._warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"EngineCache({str(self.root)!r})"
+
+    def engine_dir(self, key_or_name: EngineKey | str) -> Path:
+        """The folder of an engine (it may not exist)."""
+        return self.root / _name_of(key_or_name)
+
+    # ---- reading
+
+    def list(self) -> builtins.list[EngineRecord]:
+        """Every usable-looking engine (status ok or bad), sorted by name. Broken folders: :meth:`broken`."""
+        return [r for _, r in sorted(self._snapshot().records.items())]
+
+    def get(self, key: EngineKey) -> EngineRecord | None:
+        """The record stored for exactly ``key``, or None."""
+        record = self._snapshot().records.get(key.name)
+        return record if record is not None and record.key == key else None
+
+    def find(
+        self,
+        model: str | None = None,
+        component: str | None = None,
+        backend: str | None = None,
+        arch: str | None = None,
+    ) -> builtins.list[EngineRecord]:
+        """Records whose key matches every given field.
+
+        >>> cache.find(component="unet", backend="onnxruntime")      # doctest: +SKIP
+        """
+        wanted = {"model": model, "component": component, "backend": backend, "arch": arch}
+        return [r for r in self.list() if all(v is None or getattr(r.key, k) == v for k, v in wanted.items())]
+
+    def broken(self) -> builtins.list[BrokenEngine]:
+        """Engine folders whose meta.json is missing or unreadable; left for the user to delete."""
+        return self._snapshot().broken
+
+    def total_size(self) -> int:
+        """Bytes of engine files in listed engines (meta.json and broken folders not counted)."""
+        return sum(r.size_bytes for r in self.list())
+
+    def rebuild_index(self) -> builtins.list[EngineRecord]:
+        """Forget the index and write it again from the folders' meta.json files."""
+        with self._index_lock(INDEX_LOCK_WAIT_S):
+            (self.root / INDEX_FILE).unlink(missing_ok=True)
+        return self.list()
+
+    # ---- checking
+
+    def verify(self, record: EngineRecord, arch: str, backend_version: str) -> None:
+        """Raise :class:`EngineError` unless ``record`` can be loaded here, files intact.
+
+        Checks arch, backend version and spec version, status, presence, size, then the
+        checksum (streamed; seconds per GB).
+
+        >>> cache.verify(record, arch="sm89", backend_version="10.5.0")  # doctest: +SKIP
+        """
+        folder = self.engine_dir(record.name)
+        _check_key(record, arch, backend_version, folder)
+        if record.status != "ok":
+            raise EngineError(
+                f"Engine {record.name} is marked bad: {record.bad_reason}. "
+                f"Delete {folder} and build it again."
+            )
+        missing = [f for f in record.files if not (folder / f).is_file()]
+        if missing:
+            raise EngineError(
+                f"Engine {record.name} is incomplete: {', '.join(missing)} missing from {folder}. "
+                "Delete the folder and build the engine again."
+            )
+        size = _files_size(folder, record.files)
+        if size != record.size_bytes:
+            raise EngineError(
+                f"Engine {record.name} was truncated or replaced: its files hold {size} bytes, "
+                f"{record.size_bytes} were written. Delete {folder} and build it again."
+            )
+        if files_checksum(folder, record.files) != record.checksum:
+            raise EngineError(
+                f"Engine {record.name} failed its checksum: a file in {folder} is corrupt or "
+                "comes from another engine. Delete the folder and build the engine again."
+            )
+
+    # ---- building
+
+    @contextlib.contextmanager
+    def build_slot(
+        self,
+        key: EngineKey,
+        timeout: float = DEFAULT_BUILD_WAIT_S,
+        *,
+        force: bool = False,
+        need_bytes: int | None = None,
+    ) -> Iterator[BuildSlot | None]:
+        """Hold the key's build lock; yield None if the engine exists, else a :class:`BuildSlot`.
+
+        Waits up to ``timeout`` seconds for another builder of the same key (EngineError
+        after). An engine stored meanwhile by another process yields None: reuse it. A bad or
+        broken engine, or ``force``, yields a slot whose commit replaces it. ``need_bytes``, if
+        known, is checked against the free space first. Whatever ends the ``with`` without a
+        commit (exception, KeyboardInterrupt, return) removes the temp folder; the lock is
+        always released. ENOSPC becomes an EngineError saying the disk is full.
+
+        >>> with cache.build_slot(key) as slot:                        # doctest: +SKIP
+        ...     if slot is not None:
+        ...         slot.commit(backend.build(onnx, shapes, "fp16", slot.dir, progress), shapes, 30.0)
+        """
+        name = key.name
+        lock = self._acquire(name, timeout, "build")
+        try:
+            if not force and self._usable(key):
+                yield None
+                return
+            self._check_space(name, need_bytes)
+            self._remove_leftovers(name)
+            slot = BuildSlot(self, key, self._make_temp(name))
+            try:
+                yield slot
+            except BaseException as exc:
+                written = _tree_size(slot.dir)
+                self._discard(slot)
+                if _is_disk_full(exc):
+                    raise self._disk_full(name, written, need_bytes) from exc
+                raise
+            self._discard(slot)
+            if slot.record is None:
+                logger.info("build of %s ended without commit; nothing was stored", name)
+        finally:
+            lock.release()
+
+    def _usable(self, key: EngineKey) -> bool:
+        record = self.get(key)
+        folder = self.engine_dir(key)
+        return (
+            record is not None and record.status == "ok" and all((folder / f).is_file() for f in record.files)
+        )
+
+    def _make_temp(self, name: str) -> Path:
+        try:
+            folder = self.root / f".tmp-{name}-{os.getpid()}"
+            folder.mkdir()
+            return folder
+        except OSError as exc:
+            if _is_disk_full(exc):
+                raise self._disk_full(name, 0, None) from exc
+            raise
+
+    def _discard(self, slot: BuildSlot) -> None:
+        slot._open = False
+        _remove_tree(slot.dir)
+
+    def _check_space(self, name: str, need_bytes: int | None) -> None:
+        if need_bytes is None:
+            return
+        free = shutil.disk_usage(self.root).free
+        if free < need_bytes:
+            raise EngineError(
+                f"Not enough disk space to build {name}: it needs about {format_size(need_bytes)}, "
+                f"{format_size(free)} free under {self.root}. Free some space (prune old engines) "
+                "or point SD_ACCEL_ENGINE_DIR to a bigger disk."
+            )
+
+    def _disk_full(self, name: str, written: int, need_bytes: int | None) -> EngineError:
+        try:
+            free = format_size(shutil.disk_usage(self.root).free)
+        except OSError:
+            free = "unknown"
+        need = (
+            f"it needs about {format_size(need_bytes)}"
+            if need_bytes
+            else (f"it had written {format_size(written)} when the disk filled, and needs more")
+        )
+        return EngineError(
+            f"The disk is full: building engine {name} under {self.root} failed; {need} "
+            f"({free} free now). Nothing was stored and the cache is as it was. Free some space "
+            "(prune old engines) or point SD_ACCEL_ENGINE_DIR to a bigger disk, then build again."
+        )
+
+    def _install(self, tmp: Path, record: EngineRecord) -> None:
+        """Rename a committed temp folder into place (replacing an old one) and index it."""
+        target = self.engine_dir(record.name)
+        trash = self.root / f".trash-{record.name}-{os.getpid()}"
+        old = target.exists() or target.is_symlink()
+        if old:
+            os.replace(target, trash)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            if old:
+                os.replace(trash, target)
+            raise
+        if old:
+            _remove_tree(trash)
+        self._update_index_best_effort({record.name: record})
+
+    def _remove_leftovers(self, name: str) -> None:
+        """Remove ``.tmp-<name>-<pid>`` / ``.trash-...`` folders; call with the key's lock held."""
+        for entry in self._hidden_leftovers():
+            match = _LEFTOVER.match(entry.name)
+            if match and match["name"] == name:
+                logger.warning("removing %s, left by a build that did not finish", entry)
+                _remove_tree(entry)
+
+    def _hidden_leftovers(self) -> builtins.list[Path]:
+        if not self.root.is_dir():
+            return []
+        return [p for p in self.root.iterdir() if _LEFTOVER.match(p.name)]
+
+    # ---- changing
+
+    def mark_bad(self, key: EngineKey, reason: str) -> EngineRecord | None:
+        """Set status "bad" with ``reason`` (meta.json and index). None if the engine is not here."""
+        return self._update_record(
+            key, lambda r: dataclasses.replace(r, status="bad", bad_reason=reason), INDEX_LOCK_WAIT_S
+        )
+
+    def touch(self, key: EngineKey) -> None:
+        """Record a use now (for least-recently-used pruning). Never raises; a no-op if absent."""
+        now = time.time()
+        try:
+            self._update_record(key, lambda r: dataclasses.replace(r, last_used=now), TOUCH_LOCK_WAIT_S)
+        except (OSError, EngineError) as exc:
+            logger.debug("could not record the use of %s: %s", key.name, exc)
+
+    def delete(self, name_or_key: str | EngineKey, timeout: float = DEFAULT_DELETE_WAIT_S) -> bool:
+        """Remove an engine's folder and index entry under its lock. False if there was none.
+
+        Works on broken folders too. ValueError for a name that is not an engine's.
+
+        >>> cache.delete("unet.sm89.fp16.static.b2.h512.w512.t77.tensorrt-10.5.0.0123456789ab.s1")  # doctest: +SKIP
+        True
+        """
+        name = _name_of(name_or_key)
+        if not _is_engine_name(name):
+            raise ValueError(f"{name!r} is not an engine name (see `list()`); nothing deleted.")
+        lock = self._acquire(name, timeout, "delete")
+        try:
+            folder = self.engine_dir(name)
+            existed = folder.exists() or folder.is_symlink()
+            if existed:
+                trash = self.root / f".trash-{name}-{os.getpid()}"
+                os.replace(folder, trash)
+                _remove_tree(trash)
+            self._update_index_best_effort()  # drops the entry: its folder is gone
+            return existed
+        finally:
+            lock.release()
+
+    def prune(
+        self, max_bytes: int | None = None, older_than_s: float | None = None, *, now: float | None = None
+    ) -> builtins.list[EngineRecord]:
+        """Delete engines unused for ``older_than_s``, then least-recently-used ones until the
+        total is at most ``max_bytes``. Returns the deleted records. Skips an engine that is
+        being built; never touches broken folders or other modules' folders. Also removes
+        temp folders left by dead builds.
+
+        >>> cache.prune(max_bytes=parse_size("20GB"), older_than_s=parse_age("30d"))  # doctest: +SKIP
+        """
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
+        now = time.time() if now is None else now
+        records = sorted(self.list(), key=lambda r: r.last_used)
+        victims = [r for r in records if older_than_s is not None and now - r.last_used > older_than_s]
+        if max_bytes is not None:
+            kept = [r for r in records if r not in victims]
+            total = sum(r.size_bytes for r in kept)
+            for record in kept:
+                if total <= max_bytes:
+                    break
+                victims.append(record)
+                total -= record.size_bytes
+        removed = [r for r in victims if self._delete_if_free(r.name)]
+        self._remove_dead_leftovers()
+        return removed
+
+    def _delete_if_free(self, name: str) -> bool:
+        try:
+            return self.delete(name, timeout=0)
+        except EngineError as exc:
+            logger.warning("prune skipped %s: %s", name, exc)
+            return False
+
+    def _remove_dead_leftovers(self) -> None:
+        for entry in self._hidden_leftovers():
+            name = _LEFTOVER.match(entry.name)["name"]  # type: ignore[index]
+            with contextlib.suppress(EngineError):
+                lock = self._acquire(name, 0, "clean")
+                try:
+                    self._remove_leftovers(name)
+                finally:
+                    lock.release()
+
+    # ---- locks
+
+    def _lock(self, name: str) -> FileLock:
+        (self.root / LOCK_DIR).mkdir(parents=True, exist_ok=True)
+        return FileLock(self.root / LOCK_DIR / f"{name}.lock")
+
+    def _acquire(self, name: str, timeout: float, purpose: str) -> FileLock:
+        """The engine's lock, held; waits up to ``timeout`` s (logs that it waits)."""
+        lock = self._lock(name)
+        try:
+            lock.acquire(timeout=0)
+            return lock
+        except Timeout:
+            if timeout <= 0:
+                raise EngineError(f"Engine {name} is being built or deleted by another process.") from None
+        logger.info("waiting up to %.0f s for another process working on %s", timeout, name)
+        try:
+            lock.acquire(timeout=timeout)
+        except Timeout:
+            raise EngineError(
+                f"Could not {purpose} {name}: another process has held its lock ({lock.lock_file}) for "
+                f"more than {timeout:.0f} s. Wait for that build to finish, or stop it."
+            ) from None
+        return lock
+
+    @contextlib.contextmanager
+    def _index_lock(self, timeout: float) -> Iterator[None]:
+        lock = self._lock("index")
+        try:
+            lock.acquire(timeout=timeout)
+        except Timeout:
+            raise EngineError(
+                f"The engine index lock {lock.lock_file} stayed busy for {timeout} s."
+            ) from None
+        try:
+            yield
+        finally:
+            lock.release()
+
+    # ---- index
+
+    def _snapshot(self) -> _Snapshot:
+        """Records as on disk; rewrites the index (under its lock) when it is out of step."""
+        snap = self._compute()
+        if snap.changes:
+            try:
+                with self._index_lock(INDEX_LOCK_WAIT_S):
+                    snap = self._compute()
+                    if snap.changes:
+                        self._write_index(snap.records)
+            except (OSError, EngineError) as exc:
+                logger.warning("engine index %s not rewritten: %s", self.root / INDEX_FILE, exc)
+            for change in snap.changes:
+                logger.warning("engine index %s rebuilt: %s", self.root / INDEX_FILE, change)
+        self._report_broken(snap.broken)
+        return snap
+
+    def _compute(self) -> _Snapshot:
+        """Merge the index with the folders (meta.json wins for anything the index lacks)."""
+        folders = self._engine_folders()
+        index, problem = self._read_index()
+        if problem and not folders:
+            return _Snapshot({}, [], [])
+        changes = [problem] if problem else []
+        records = {n: r for n, r in index.items() if n in folders}
+        dropped = sorted(set(index) - folders)
+        if dropped:
+            changes.append(f"dropped {len(dropped)} entries whose folder is gone: {', '.join(dropped)}")
+        broken: list[BrokenEngine] = []
+        added: list[str] = []
+        for name in sorted(folders - set(records)):
+            got = self._read_meta(name)
+            if isinstance(got, BrokenEngine):
+                broken.append(got)
+            else:
+                records[name] = got
+                added.append(name)
+        if added and not problem:
+            changes.append(f"added {len(added)} engines found on disk: {', '.join(added)}")
+        return _Snapshot(records, broken, changes)
+
+    def _engine_folders(self) -> set[str]:
+        """Names of top-level folders that are (or claim to be) engines."""
+        if not self.root.is_dir():
+            return set()
+        return {p.name for p in self.root.iterdir() if p.is_dir() and _is_engine_name(p.name)}
+
+    def _read_index(self) -> tuple[dict[str, EngineRecord], str | None]:
+        """Index entries, and why the index was not usable (None when it was)."""
+        path = self.root / INDEX_FILE
+        if not path.exists():
+            return {}, f"{INDEX_FILE} missing; read every meta.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return {}, f"{INDEX_FILE} unreadable ({exc}); read every meta.json"
+        if not isinstance(data, dict) or data.get("schema") != INDEX_SCHEMA:
+            schema = data.get("schema") if isinstance(data, dict) else None
+            return {}, f"{INDEX_FILE} has schema {schema!r}, not {INDEX_SCHEMA}; read every meta.json"
+        entries: dict[str, EngineRecord] = {}
+        for name, meta in dict(data.get("engines") or {}).items():
+            with contextlib.suppress(ValueError, TypeError):
+                record = EngineRecord.from_dict(meta)
+                if record.name == name:
+                    entries[name] = record
+        return entries, None
+
+    def _read_meta(self, name: str) -> EngineRecord | BrokenEngine:
+        folder = self.root / name
+        try:
+            data = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+            record = EngineRecord.from_dict(data)
+        except FileNotFoundError:
+            return BrokenEngine(name, folder, f"no {META_FILE} (an interrupted copy or delete?)")
+        except (OSError, ValueError, TypeError) as exc:
+            return BrokenEngine(name, folder, f"{META_FILE} unreadable: {exc}")
+        if record.name != name:
+            return BrokenEngine(name, folder, f"{META_FILE} describes {record.name} (folder renamed?)")
+        return record
+
+    def _write_index(self, records: dict[str, EngineRecord]) -> None:
+        """Write the index; on failure remove it, so that the next read rebuilds it. Never raises OSError."""
+        data = {"schema": INDEX_SCHEMA, "engines": {n: records[n].to_dict() for n in sorted(records)}}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _write_json_atomic(self.root / INDEX_FILE, data)
+        except OSError as exc:
+            logger.warning("could not write %s (%s); it will be rebuilt from the folders", INDEX_FILE, exc)
+            with contextlib.suppress(OSError):
+                (self.root / INDEX_FILE).unlink(missing_ok=True)
+
+    def _update_index_best_effort(self, put: dict[str, EngineRecord] | None = None) -> None:
+        """Write the index from the folders plus ``put``; a failure only delays it to the next read."""
+        try:
+            with self._index_lock(INDEX_LOCK_WAIT_S):
+                records = self._compute().records
+                records.update(put or {})
+                self._write_index(records)
+        except (OSError, EngineError) as exc:
+            logger.warning("%s; the index will be rebuilt from the folders", exc)
+
+    def _update_record(
+        self, key: EngineKey, change: Callable[[EngineRecord], EngineRecord], lock_wait: float
+    ) -> EngineRecord | None:
+        """Change one record in its meta.json, then in the index, under the index lock."""
+        if not (self.root / key.name).is_dir():
+            return None
+        with self._index_lock(lock_wait):
+            current = self._read_meta(key.name)
+            if isinstance(current, BrokenEngine) or current.key != key:
+                return None
+            record = change(current)
+            _write_json_atomic(self.root / key.name / META_FILE, {"schema": INDEX_SCHEMA, **record.to_dict()})
+            records = self._compute().records
+            records[key.name] = record
+            self._write_index(records)
+            return record
+
+    def _report_broken(self, broken: builtins.list[BrokenEngine]) -> None:
+        for item in broken:
+            if item.name not in self._warned:
+                self._warned.add(item.name)
+                logger.warning(
+                    "engine folder %s is not usable: %s. Delete it (or build that engine again).",
+                    item.path,
+                    item.reason,
+                )
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _name_of(key_or_name: EngineKey | str) -> str:
+    return key_or_name.name if isinstance(key_or_name, EngineKey) else str(key_or_name)
+
+
+def _is_engine_name(name: str) -> bool:
+    return name not in RESERVED and _ENGINE_NAME.match(name) is not None
+
+
+def _check_key(record: EngineRecord, arch: str, backend_version: str, folder: Path) -> None:
+    key = record.key
+    problems = []
+    if key.arch != arch:
+        problems.append(f"it was built for {key.arch}, this device is {arch}")
+    if key.backend_version != backend_version:
+        problems.append(
+            f"it was built with {key.backend} {key.backend_version}, this machine has {backend_version}"
+        )
+    if key.spec_version != SPEC_VERSION:
+        problems.append(f"it comes from export spec {key.spec_version}, this sd-accel uses {SPEC_VERSION}")
+    if problems:
+        raise EngineError(
+            f"Engine {record.name} cannot run here: {'; '.join(problems)}: rebuild it with "
+            "build_engines(...) or `sd-accel build` (the new engine gets its own folder); "
+            f"delete {folder} if no machine needs it any more."
+        )

@@ -1,0 +1,235 @@
+"""The command line's engine commands: doctor, build, list, delete, prune, ui."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+COMPONENT_ALIASES = {
+    "clip": ("clip", "clip2"),
+    "unet": ("unet",),
+    "vae": ("vae_decoder", "vae_encoder"),
+}
+
+
+def parse_range(text: str) -> tuple[int, int, int]:
+    """``512`` -> (512, 512, 512); ``512-768`` -> (512, 512, 768); ``512-640-768`` -> min, opt, max."""
+    try:
+        parts = [int(p) for p in text.split("-")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N, MIN-MAX or MIN-OPT-MAX, got {text!r}") from None
+    if len(parts) == 1:
+        return parts[0], parts[0], parts[0]
+    if len(parts) == 2:
+        return parts[0], parts[0], parts[1]
+    if len(parts) == 3:
+        return parts[0], parts[1], parts[2]
+    raise argparse.ArgumentTypeError(f"expected N, MIN-MAX or MIN-OPT-MAX, got {text!r}")
+
+
+def _components(text: str | None, available: list[str]) -> list[str] | None:
+    if not text:
+        return None
+    out: list[str] = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        expanded = COMPONENT_ALIASES.get(name, (name,))
+        out += [c for c in expanded if c in available or name not in COMPONENT_ALIASES]
+    return out
+
+
+def _profiles(args: argparse.Namespace):
+    from sd_accel.profiles import Profile
+
+    ranges = {k: getattr(args, k) for k in ("batch", "height", "width", "tokens") if getattr(args, k)}
+    if args.preset and ranges:
+        raise ValueError("give --preset or explicit ranges (--batch/--height/--width/--tokens), not both")
+    if not ranges:
+        return args.preset, None
+    if args.static:
+        bad = [k for k, (lo, _, hi) in ranges.items() if lo != hi]
+        if bad:
+            raise ValueError(f"--static needs single values, got ranges for {', '.join(bad)}")
+    missing = [k for k in ("height", "width") if k not in ranges]
+    if missing:
+        raise ValueError(f"explicit ranges need --height and --width (missing: {', '.join(missing)})")
+    ranges.setdefault("batch", (1, 1, 1))
+    return None, [Profile(**ranges)]
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from sd_accel import build_engines, load_pipeline
+    from sd_accel.components import specs_for
+
+    preset, profiles = _profiles(args)
+    pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
+    components = _components(args.components, list(specs_for(pipe)))
+    start = time.perf_counter()
+    records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,
+                            components=components, engine_dir=args.engine_dir, progress=not args.json)
+    took = time.perf_counter() - start
+    rows = [_row(r) for r in records]
+    if args.json:
+        print(json.dumps({"engines": rows, "seconds": round(took, 2)}))
+    else:
+        _print_table(rows)
+        print(f"{len(rows)} engine(s) ready in {took:.1f} s")
+    return 0
+
+
+def _row(r) -> dict[str, Any]:
+    from sd_accel.cache.store import format_size
+
+    v = r.validation or {}
+    return {
+        "name": r.name,
+        "component": r.key.component,
+        "profile": r.key.profile,
+        "precision": r.key.precision,
+        "backend": f"{r.key.backend} {r.key.backend_version}",
+        "arch": r.key.arch,
+        "size": format_size(r.size_bytes),
+        "size_bytes": r.size_bytes,
+        "rel_l2": v.get("rel_l2"),
+        "status": r.status if r.status == "ok" else f"{r.status}: {r.bad_reason}",
+        "last_used": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.last_used)),
+    }
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    cols = ("component", "profile", "precision", "backend", "size", "rel_l2", "status", "last_used", "name")
+    shown = [{c: ("-" if row[c] is None else f"{row[c]:.1e}" if c == "rel_l2" else str(row[c])) for c in cols}
+             for row in rows]
+    widths = {c: max([len(c)] + [len(r[c]) for r in shown]) for c in cols}
+    print("  ".join(c.ljust(widths[c]) for c in cols))
+    for r in shown:
+        print("  ".join(r[c].ljust(widths[c]) for c in cols))
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from sd_accel.cache.store import EngineCache, format_size
+
+    cache = EngineCache(args.engine_dir)
+    rows = [_row(r) for r in sorted(cache.list(), key=lambda r: r.name)]
+    broken = [{"name": b.name, "reason": b.reason} for b in cache.broken()]
+    if args.json:
+        print(json.dumps({"root": str(cache.root), "engines": rows, "broken": broken,
+                          "total_bytes": cache.total_size()}))
+        return 0
+    if rows:
+        _print_table(rows)
+    for b in broken:
+        print(f"broken: {b['name']}: {b['reason']}")
+    print(f"{len(rows)} engine(s), {format_size(cache.total_size())} in {cache.root}")
+    return 0
+
+
+def _cmd_delete(args: argparse.Namespace) -> int:
+    from sd_accel.cache.store import EngineCache
+
+    cache = EngineCache(args.engine_dir)
+    if not cache.delete(args.key):
+        raise ValueError(f"no engine named {args.key!r} in {cache.root}; `sd-accel list` shows the names")
+    print(f"deleted {args.key}")
+    return 0
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    from sd_accel.cache.store import EngineCache, format_size, parse_age, parse_size
+
+    if args.max_size is None and args.older_than is None:
+        raise ValueError("prune needs --max-size and/or --older-than")
+    cache = EngineCache(args.engine_dir)
+    removed = cache.prune(max_bytes=parse_size(args.max_size) if args.max_size else None,
+                          older_than_s=parse_age(args.older_than) if args.older_than else None)
+    for r in removed:
+        print(f"removed {r.name} ({format_size(r.size_bytes)})")
+    print(f"{len(removed)} engine(s) removed; {format_size(cache.total_size())} left")
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from sd_accel.backends.onnxruntime import OnnxRuntimeBackend
+    from sd_accel.backends.tensorrt.builder import trt_status
+    from sd_accel.device import describe, versions
+    from sd_accel.optimize.attention import xformers_status
+
+    dev = describe()
+    ort = OnnxRuntimeBackend().info()
+    trt_ok, trt_version, trt_why = trt_status()
+    xf_ok, xf_why = xformers_status()
+    report = {
+        "device": dev.device, "name": dev.name, "arch": dev.arch, "memory_gb": dev.memory_gb,
+        "versions": versions(),
+        "backends": {
+            "onnxruntime": {"usable": ort.usable, "arch": ort.arch, "why_not": ort.why_not},
+            "tensorrt": {"usable": trt_ok, "version": trt_version, "why_not": trt_why},
+        },
+        "xformers": {"usable": xf_ok, "why_not": xf_why},
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"device: {dev.device} ({dev.name}), arch key {dev.arch}" + (f", {dev.memory_gb} GB" if dev.memory_gb else ""))
+    for name, version in report["versions"].items():
+        print(f"  {name:<13} {version or 'not installed'}")
+    for name, b in report["backends"].items():
+        print(f"backend {name}: " + ("usable" if b["usable"] else f"not usable: {b['why_not']}"))
+    print("xformers: " + ("usable" if xf_ok else f"not usable: {xf_why}"))
+    return 0
+
+
+def _cmd_ui(args: argparse.Namespace) -> int:
+    from sd_accel.ui.app import launch
+
+    launch(host=args.host, port=args.port, listen=args.listen, engine_dir=args.engine_dir, model=args.model)
+    return 0
+
+
+def add_commands(sub, engine_args) -> None:
+    doc = sub.add_parser("doctor", help="the device, versions, and which backends work here")
+    doc.add_argument("--json", action="store_true")
+    doc.set_defaults(func=_cmd_doctor)
+
+    b = sub.add_parser("build", help="export and build engines for a model")
+    b.add_argument("--model", default="builtin:tiny-sd15")
+    b.add_argument("--preset", default=None, help="static-512, dynamic-512-768, ... (default: by model family)")
+    for dim in ("batch", "height", "width", "tokens"):
+        b.add_argument(f"--{dim}", type=parse_range, default=None, help="N, MIN-MAX or MIN-OPT-MAX")
+    b.add_argument("--static", action="store_true", help="a static profile from single values")
+    b.add_argument("--components", default=None, help="comma list: unet,vae,clip (default: all)")
+    b.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"), default="auto")
+    b.add_argument("--precision", choices=("auto", "fp32", "fp16", "int8"), default="auto")
+    b.add_argument("--allow-pickle", action="store_true")
+    b.add_argument("--json", action="store_true")
+    engine_args(b)
+    b.set_defaults(func=_cmd_build)
+
+    ls = sub.add_parser("list", help="list cached engines")
+    ls.add_argument("--json", action="store_true")
+    engine_args(ls)
+    ls.set_defaults(func=_cmd_list)
+
+    d = sub.add_parser("delete", help="delete one engine by name")
+    d.add_argument("key", help="the engine's name, as `sd-accel list` shows it")
+    engine_args(d)
+    d.set_defaults(func=_cmd_delete)
+
+    pr = sub.add_parser("prune", help="remove engines by age or total size")
+    pr.add_argument("--max-size", default=None, help="e.g. 20GB")
+    pr.add_argument("--older-than", default=None, help="e.g. 30d (by last use)")
+    engine_args(pr)
+    pr.set_defaults(func=_cmd_prune)
+
+    ui = sub.add_parser("ui", help="start the standalone Gradio app")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=None)
+    ui.add_argument("--listen", action="store_true", help="listen on all interfaces (0.0.0.0)")
+    ui.add_argument("--model", default=None, help="the model the panel starts with (default: builtin:tiny-sd15)")
+    engine_args(ui)
+    ui.set_defaults(func=_cmd_ui)
+
+
+__all__ = ["add_commands", "parse_range"]
+

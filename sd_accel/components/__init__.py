@@ -1,0 +1,55 @@
+"""Exportable components of a pipeline: one :class:`ComponentSpec` per engine-backed module.
+
+>>> COMPONENTS
+('clip', 'clip2', 'unet', 'vae_decoder', 'vae_encoder')
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sd_accel.components.clip import Clip2Spec, ClipSpec
+from sd_accel.components.spec import ComponentSpec, TensorSpec
+from sd_accel.components.unet import UNetSpec, UnsupportedComponent, export_latent_size, vae_scale_factor
+from sd_accel.components.vae import VaeDecoderSpec, VaeEncoderSpec
+
+log = logging.getLogger("sd_accel")
+
+_SPECS: tuple[type[ComponentSpec], ...] = (ClipSpec, Clip2Spec, UNetSpec, VaeDecoderSpec, VaeEncoderSpec)
+COMPONENTS: tuple[str, ...] = tuple(cls.name for cls in _SPECS)
+# The pipeline attribute each component stands in for.
+_ATTRIBUTE = {"clip": "text_encoder", "clip2": "text_encoder_2", "unet": "unet", "vae_decoder": "vae", "vae_encoder": "vae"}
+
+
+def specs_for(pipe) -> dict[str, ComponentSpec]:
+    """The specs that apply to ``pipe``, in :data:`COMPONENTS` order.
+
+    A module the pipeline lacks (SD 1.x has no ``text_encoder_2``; a refiner has no
+    ``text_encoder``) is left out. A module sd-accel cannot export (an unusual UNet conditioning,
+    a non-KL VAE) is left out too, with a warning: it keeps running in torch.
+    """
+    out: dict[str, ComponentSpec] = {}
+    for cls in _SPECS:
+        if getattr(pipe, _ATTRIBUTE[cls.name], None) is None:
+            continue
+        try:
+            out[cls.name] = cls(pipe)
+        except UnsupportedComponent as exc:
+            log.warning("%s: %s", cls.name, exc)
+    return out
+
+
+__all__ = [
+    "COMPONENTS",
+    "Clip2Spec",
+    "ClipSpec",
+    "ComponentSpec",
+    "TensorSpec",
+    "UNetSpec",
+    "UnsupportedComponent",
+    "VaeDecoderSpec",
+    "VaeEncoderSpec",
+    "export_latent_size",
+    "specs_for",
+    "vae_scale_factor",
+]

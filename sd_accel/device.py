@@ -1,0 +1,91 @@
+"""What we run on: the device arch key that is part of every engine key, and library versions."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_class() -> str:
+    """A key for CPU engines: ORT's optimized models bake in ISA-specific layouts (NCHWc blocks)."""
+    machine = platform.machine().lower() or "cpu"
+    flags = cpu_flags()
+    isa = "generic"
+    if "avx512f" in flags:
+        isa = "avx512"
+    elif "avx2" in flags:
+        isa = "avx2"
+    elif "asimd" in flags or machine in ("arm64", "aarch64"):
+        isa = "neon"
+    if "amx_bf16" in flags:
+        isa += "-amx"
+    return f"cpu-{machine}-{isa}"
+
+
+def gpu_arch(index: int = 0) -> str:
+    """``sm89`` for an RTX 4090, ``sm90`` for an H100: TensorRT engines are tied to it."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def arch_for(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return gpu_arch(device.index or 0)
+    return cpu_class()
+
+
+def version_of(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: str
+    name: str
+    arch: str
+    memory_gb: float | None
+
+
+def describe(device: torch.device | str = "cuda" if torch.cuda.is_available() else "cpu") -> DeviceInfo:
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device.index or 0)
+        return DeviceInfo(str(device), props.name, arch_for(device), round(props.total_memory / 2**30, 1))
+    return DeviceInfo(str(device), platform.processor() or platform.machine(), arch_for(device), None)
+
+
+def versions() -> dict[str, str | None]:
+    return {
+        name: version_of(pkg)
+        for name, pkg in (
+            ("torch", "torch"),
+            ("diffusers", "diffusers"),
+            ("transformers", "transformers"),
+            ("onnx", "onnx"),
+            ("onnxruntime", "onnxruntime"),
+            ("tensorrt", "tensorrt"),
+            ("polygraphy", "polygraphy"),
+            ("xformers", "xformers"),
+        )
+    }

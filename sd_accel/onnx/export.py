@@ -1,0 +1,302 @@
+"""Export a component to ONNX, and keep exported files in a cache keyed by the weights' fingerprint.
+
+:func:`export_onnx` traces with the legacy exporter (``dynamo=False``: about 2x faster than dynamo
+on the SD UNet and happy with opset 17) and plain attention, then folds, saves, and checks. It
+writes into a temporary sibling folder and renames it into place, so a crash never leaves a half
+file where a reader looks.
+
+:func:`onnx_artifact` / :func:`ensure_onnx_artifact` keep one folder per (component, weights,
+spec version) under ``<cache_root>/onnx/`` and export only when that folder is missing or broken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+from filelock import FileLock
+
+from sd_accel.backends.base import EngineError, Progress
+from sd_accel.cache.key import SPEC_VERSION
+from sd_accel.components.spec import ComponentSpec
+from sd_accel.onnx.fingerprint import fingerprint
+from sd_accel.onnx.optimize import DATA_SUFFIX, check_model, optimize_file
+
+log = logging.getLogger("sd_accel")
+
+MODEL_FILE = "model.onnx"
+META_FILE = "meta.json"
+DEFAULT_OPSET = 17
+
+
+def _quiet(frac: float, msg: str) -> None:
+    return None
+
+
+# ---- the torch side -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def plain_attention(module: torch.nn.Module) -> Iterator[None]:
+    """Plain (matmul + softmax) attention on ``module`` for the duration; the previous state after.
+
+    diffusers models get ``AttnProcessor()`` (SDPA, xFormers or sliced processors would put fused
+    or shape-specialised ops in the graph); transformers models get ``"eager"`` attention. The
+    previous processors / implementation come back even when the body raises.
+    """
+    with contextlib.ExitStack() as stack:
+        if hasattr(module, "attn_processors") and hasattr(module, "set_attn_processor"):
+            from diffusers.models.attention_processor import AttnProcessor
+
+            saved = module.attn_processors  # a fresh dict of the current processor objects
+            module.set_attn_processor(AttnProcessor())
+            stack.callback(module.set_attn_processor, saved)
+        config = getattr(module, "config", None)
+        if hasattr(module, "set_attn_implementation") and hasattr(config, "_attn_implementation"):
+            previous = config._attn_implementation
+            if previous != "eager":
+                module.set_attn_implementation("eager")
+                stack.callback(module.set_attn_implementation, previous)
+        yield
+
+
+@contextlib.contextmanager
+def fp32_on_cpu(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` in float32 on the CPU and in eval mode for the duration; dtypes, devices and
+    training flag of every tensor restored after (a mixed-precision module stays mixed)."""
+    if hasattr(module, "_hf_hook"):
+        raise EngineError(
+            f"{type(module).__name__} has accelerate offload hooks, which move it during the trace; "
+            "export before enabling CPU offload (or call pipe.remove_all_hooks() first)"
+        )
+    tensors = _named_tensors(module)
+    if any(t.device.type == "meta" for t in tensors.values()):
+        raise EngineError("the module's weights are on the meta device (sequential offload); export before offloading")
+    # By name: module.to() may replace the tensor objects (overwrite_module_params_on_conversion).
+    before = {name: (t.dtype, t.device) for name, t in tensors.items()}
+    moved = any(t.device.type != "cpu" or (t.is_floating_point() and t.dtype != torch.float32) for t in tensors.values())
+    training = module.training
+    if moved:
+        module.to("cpu", torch.float32)
+    module.eval()
+    try:
+        yield
+    finally:
+        if moved:
+            for name, t in _named_tensors(module).items():
+                dtype, device = before[name]
+                if t.dtype != dtype or t.device != device:
+                    t.data = t.data.to(device=device, dtype=dtype)
+        module.train(training)
+
+
+def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _trace(spec: ComponentSpec, path: Path, opset: int) -> None:
+    """Trace the spec's export module into ``path`` (the legacy exporter may scatter weights
+    into many files next to it when they pass 2 GB; :func:`optimize_file` gathers them)."""
+    module = spec.torch_module()
+    with plain_attention(module), fp32_on_cpu(module), torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        wrapper = spec.export_module().eval()
+        feed = spec.sample_feed(spec.export_dims())
+        torch.onnx.export(
+            wrapper,
+            tuple(feed.values()),
+            str(path),
+            input_names=[t.name for t in spec.inputs()],
+            output_names=[t.name for t in spec.outputs()],
+            dynamic_axes=spec.dynamic_axes(),
+            opset_version=opset,
+            do_constant_folding=True,
+            dynamo=False,
+        )
+    # Tracer warnings are expected (diffusers branches on sizes; the 17x17 example picks the
+    # general branch); keep them for debugging, not for the user's console.
+    for message in {str(w.message).splitlines()[0] for w in seen}:
+        log.debug("export %s: %s", spec.name, message)
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+
+def export_onnx(
+    spec: ComponentSpec,
+    out_dir: Path,
+    progress: Progress | None = None,
+    opset: int = DEFAULT_OPSET,
+    meta: dict | None = None,
+) -> Path:
+    """Export ``spec``'s module to ``out_dir/model.onnx`` (+ ``model.onnx.data`` past 2 GB).
+
+    ``out_dir`` is replaced as a whole, atomically: the files are written into a temporary
+    sibling folder, checked, then renamed. ``progress(fraction, message)`` is called at each
+    stage; an exception from it cancels the export (nothing is left behind). ``meta`` adds
+    fields to ``meta.json``. Returns the path of ``model.onnx``.
+    """
+    progress = progress or _quiet
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    start = time.perf_counter()
+    try:
+        raw = tmp / "raw" / MODEL_FILE
+        raw.parent.mkdir(parents=True)
+        progress(0.0, f"{spec.name}: exporting to ONNX (opset {opset})")
+        _trace(spec, raw, opset)
+        traced_s = time.perf_counter() - start
+
+        def sub(frac: float, msg: str) -> None:
+            progress(0.4 + 0.5 * frac, f"{spec.name}: {msg}")
+
+        external = optimize_file(raw, tmp / MODEL_FILE, sub)
+        shutil.rmtree(raw.parent)
+        progress(0.9, f"{spec.name}: checking the ONNX file")
+        check_model(tmp / MODEL_FILE)
+        info = _meta(spec, tmp, opset, external, traced_s, time.perf_counter() - start)
+        (tmp / META_FILE).write_text(json.dumps({**info, **(meta or {})}, indent=2))
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress(1.0, f"{spec.name}: ONNX ready ({time.perf_counter() - start:.1f} s)")
+    log.info("exported %s to %s in %.1f s", spec.name, out_dir, time.perf_counter() - start)
+    return out_dir / MODEL_FILE
+
+
+def _meta(spec: ComponentSpec, folder: Path, opset: int, external: bool, traced_s: float, total_s: float) -> dict:
+    return {
+        "component": spec.name,
+        "spec_version": SPEC_VERSION,
+        "opset": opset,
+        "inputs": [t.name for t in spec.inputs()],
+        "outputs": [t.name for t in spec.outputs()],
+        "export_dims": spec.export_dims(),
+        "external_data": external,
+        "files": {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()},
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "trace_seconds": round(traced_s, 2),
+        "export_seconds": round(total_s, 2),
+    }
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``, dropping an old ``dst``. The rename itself is atomic."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:8]}")
+        dst.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    src.rename(dst)
+
+
+# ---- the artifact cache ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OnnxArtifact:
+    """An exported ONNX file in the cache, and how this call obtained it."""
+
+    path: Path  # .../model.onnx
+    fingerprint: str
+    exported: bool  # False: an existing, valid file was reused
+    repaired: bool = False  # an existing file failed the checks and was exported again
+    seconds: float = 0.0
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+
+def artifact_dir(spec: ComponentSpec, cache_root: Path) -> Path:
+    """``<cache_root>/onnx/<component>.<fingerprint[:16]>.s<SPEC_VERSION>``."""
+    return Path(cache_root) / "onnx" / f"{spec.name}.{fingerprint(spec.torch_module())[:16]}.s{SPEC_VERSION}"
+
+
+def ensure_onnx_artifact(spec: ComponentSpec, cache_root: Path, progress: Progress | None = None) -> OnnxArtifact:
+    """The cached ONNX export of ``spec``: reused when valid, exported (again) otherwise.
+
+    A file lock on the folder keeps two processes from exporting the same artifact at once: the
+    second waits, then finds the first one's file and reuses it.
+    """
+    start = time.perf_counter()
+    fp = fingerprint(spec.torch_module())
+    folder = artifact_dir(spec, cache_root)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        _drop_stale_temps(folder)
+        problem = validate_artifact(folder) if folder.exists() else None
+        if folder.exists() and problem is None:
+            log.debug("reusing ONNX %s", folder)
+            (progress or _quiet)(1.0, f"{spec.name}: reusing the exported ONNX")
+            return OnnxArtifact(folder / MODEL_FILE, fp, exported=False, seconds=time.perf_counter() - start)
+        if problem is not None:
+            log.warning("ONNX artifact %s is unusable (%s); exporting it again", folder, problem)
+            shutil.rmtree(folder, ignore_errors=True)
+        path = export_onnx(spec, folder, progress, meta={"fingerprint": fp})
+    return OnnxArtifact(path, fp, exported=True, repaired=problem is not None, seconds=time.perf_counter() - start)
+
+
+def onnx_artifact(spec: ComponentSpec, cache_root: Path, progress: Progress | None = None) -> Path:
+    """Path of the cached ONNX export of ``spec`` (see :func:`ensure_onnx_artifact`)."""
+    return ensure_onnx_artifact(spec, cache_root, progress).path
+
+
+def validate_artifact(folder: Path) -> str | None:
+    """Why the artifact in ``folder`` cannot be used, or None when it can.
+
+    Cheap checks first (meta.json present, file sizes as written), then ``onnx.checker`` on the
+    path, which also catches a truncated or corrupt model.onnx.
+    """
+    meta_path = folder / META_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{META_FILE} unreadable: {exc}"
+    for name, size in meta.get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written"
+    if not (folder / MODEL_FILE).is_file():
+        return f"{MODEL_FILE} is missing"
+    try:
+        check_model(folder / MODEL_FILE)
+    except Exception as exc:  # onnx raises ValidationError, DecodeError, OSError... by cause
+        return f"onnx.checker failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+def _drop_stale_temps(folder: Path) -> None:
+    """Remove temporary folders a crashed export of this artifact left (we hold its lock)."""
+    for pattern in (f".{folder.name}.tmp-*", f".{folder.name}.old-*"):
+        for stale in folder.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+__all__ = [
+    "DATA_SUFFIX",
+    "MODEL_FILE",
+    "OnnxArtifact",
+    "artifact_dir",
+    "ensure_onnx_artifact",
+    "export_onnx",
+    "fp32_on_cpu",
+    "onnx_artifact",
+    "plain_attention",
+    "validate_artifact",
+]

@@ -1,0 +1,108 @@
+"""Shape profiles: the range of requests an engine serves, and the presets users pick from.
+
+A profile is in the user's terms (images per prompt, pixel height and width, prompt tokens);
+each component turns it into min/opt/max shapes for its own inputs (the UNet's batch doubles
+for classifier-free guidance, its latents are 1/8 of the image, and so on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+Range = tuple[int, int, int]
+TOKEN_CHUNK = 77  # 75 prompt tokens + start + end; longer prompts come in multiples of 77
+
+
+def _range(name: str, value: Any) -> Range:
+    if isinstance(value, int):
+        value = (value, value, value)
+    try:
+        lo, opt, hi = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Profile.{name} must be an int or a (min, opt, max) tuple, got {value!r}") from None
+    if not 0 < lo <= opt <= hi:
+        raise ValueError(f"Profile.{name} needs 0 < min <= opt <= max, got {(lo, opt, hi)}")
+    return lo, opt, hi
+
+
+@dataclass(frozen=True)
+class Profile:
+    """min/opt/max for batch, height, width (pixels) and tokens. Static when min == opt == max.
+
+    >>> Profile(batch=(1, 1, 2), height=(64, 64, 136), width=(64, 64, 136), tokens=(77, 77, 154)).tag
+    'b1-2.h64-136.w64-136.t77-154.opt1x64x64'
+    """
+
+    batch: Range
+    height: Range
+    width: Range
+    tokens: Range = (TOKEN_CHUNK, TOKEN_CHUNK, TOKEN_CHUNK)
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "height", "width", "tokens"):
+            object.__setattr__(self, name, _range(name, getattr(self, name)))
+        for name in ("height", "width"):
+            bad = [v for v in getattr(self, name) if v % 8]
+            if bad:
+                raise ValueError(f"Profile.{name} values must be multiples of 8 pixels, got {getattr(self, name)}")
+        if any(v % TOKEN_CHUNK for v in (self.tokens[0], self.tokens[2])):
+            raise ValueError(f"Profile.tokens min and max must be multiples of {TOKEN_CHUNK}, got {self.tokens}")
+
+    @classmethod
+    def of(cls, value: Profile | dict[str, Any]) -> Profile:
+        """A profile from a ``Profile`` or a dict such as ``dict(batch=(1, 1, 2), height=512, ...)``."""
+        if isinstance(value, Profile):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"a profile must be a Profile or a dict, got {type(value).__name__}")
+        unknown = set(value) - {"batch", "height", "width", "tokens"}
+        if unknown:
+            raise ValueError(f"unknown profile fields {sorted(unknown)}; use batch, height, width, tokens")
+        missing = {"batch", "height", "width"} - set(value)
+        if missing:
+            raise ValueError(f"profile dict lacks {sorted(missing)}")
+        return cls(**value)
+
+    @property
+    def static(self) -> bool:
+        return all(r[0] == r[2] for r in (self.batch, self.height, self.width, self.tokens))
+
+    @property
+    def tag(self) -> str:
+        """A short readable name, used in engine file names."""
+
+        def part(letter: str, r: Range) -> str:
+            return f"{letter}{r[0]}" if r[0] == r[2] else f"{letter}{r[0]}-{r[2]}"
+
+        body = ".".join(part(k[0], getattr(self, k)) for k in ("batch", "height", "width", "tokens"))
+        if self.static:
+            return "static." + body
+        return f"{body}.opt{self.batch[1]}x{self.height[1]}x{self.width[1]}"
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {k: list(getattr(self, k)) for k in ("batch", "height", "width", "tokens")}
+
+
+PRESETS: dict[str, Profile] = {
+    "static-512": Profile(batch=1, height=512, width=512),
+    "static-768": Profile(batch=1, height=768, width=768),
+    "static-1024": Profile(batch=1, height=1024, width=1024),
+    "dynamic-256-512": Profile(batch=(1, 1, 4), height=(256, 512, 512), width=(256, 512, 512), tokens=(77, 77, 154)),
+    "dynamic-512-768": Profile(batch=(1, 1, 4), height=(512, 512, 768), width=(512, 512, 768), tokens=(77, 77, 154)),
+    "dynamic-768-1024": Profile(
+        batch=(1, 1, 4), height=(768, 1024, 1024), width=(768, 1024, 1024), tokens=(77, 77, 154)
+    ),
+}
+
+
+def preset(name: str) -> Profile:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}") from None
+
+
+def default_preset(family: str) -> str:
+    """SDXL defaults to static 1024 (its native size); SD 2.x 768-v to 768; others to 512."""
+    return {"sdxl": "static-1024", "sd2-v": "static-768"}.get(family, "static-512")

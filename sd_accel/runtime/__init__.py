@@ -1,0 +1,1 @@
+"""Engine-backed modules swapped into a diffusers pipeline, engine choice per call, stats."""

@@ -1,0 +1,176 @@
+"""Engine-backed stand-ins for ``pipe.unet``, ``pipe.vae``, ``pipe.text_encoder(_2)``.
+
+They keep the torch module (for ``config``, ``dtype``, ``device``, every other attribute, and
+the fallback), accept the same calls and return the same output types, so diffusers pipelines
+run unchanged. Engine outputs live in reused buffers; what is handed to diffusers is a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sd_accel.runtime.selection import ComponentEngines
+
+
+def _out(t: torch.Tensor, like: torch.Tensor | torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    device = like.device
+    # clone: the engine reuses its output buffers on the next call, and schedulers keep outputs.
+    return t.to(device=device, dtype=dtype, copy=True)
+
+
+class EngineModule(torch.nn.Module):
+    """Base: forwards every unknown attribute to the torch module it stands in for."""
+
+    def __init__(self, torch_module: torch.nn.Module, engines: dict[str, ComponentEngines]) -> None:
+        super().__init__()
+        self.torch_module = torch_module
+        self.engines = engines
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "torch_module" not in modules:
+                raise
+            return getattr(modules["torch_module"], name)
+
+    def component_stats(self) -> dict[str, Any]:
+        return {name: e.stats.to_dict() for name, e in self.engines.items()}
+
+
+class EngineUNet(EngineModule):
+    """Stands in for ``UNet2DConditionModel``; SDXL's added conditions included."""
+
+    _UNSUPPORTED = (
+        "class_labels", "timestep_cond", "attention_mask", "down_block_additional_residuals",
+        "mid_block_additional_residual", "down_intrablock_additional_residuals", "encoder_attention_mask",
+    )
+
+    def forward(self, sample, timestep, encoder_hidden_states, *args, **kwargs):
+        from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+        engines = self.engines["unet"]
+        return_dict = kwargs.get("return_dict", True)
+        reason = self._unsupported(args, kwargs)
+        out = None
+        if reason is not None:
+            engines.torch_call(reason)
+        else:
+            feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
+            out = engines.run(feed)
+        if out is None:
+            return self.torch_module(sample, timestep, encoder_hidden_states, *args, **kwargs)
+        latent = _out(out["latent"], sample, sample.dtype)
+        return UNet2DConditionOutput(sample=latent) if return_dict else (latent,)
+
+    def _unsupported(self, args: tuple, kwargs: dict) -> str | None:
+        if args:
+            return "positional arguments beyond (sample, timestep, encoder_hidden_states)"
+        used = [k for k in self._UNSUPPORTED if kwargs.get(k) is not None]
+        if used:
+            return f"arguments the engine was not built for: {', '.join(used)}"
+        cak = kwargs.get("cross_attention_kwargs")
+        if cak:
+            return f"cross_attention_kwargs {sorted(cak)} (e.g. a LoRA scale) are not in the engine"
+        return None
+
+    def _feed(self, sample, timestep, ehs, added) -> dict[str, torch.Tensor]:
+        batch = sample.shape[0]
+        t = torch.as_tensor(timestep, device=sample.device).float().reshape(-1)
+        if t.numel() == 1:
+            t = t.expand(batch)
+        feed = {"sample": sample.float(), "timestep": t.contiguous(), "encoder_hidden_states": ehs.float()}
+        if added:
+            feed["text_embeds"] = added["text_embeds"].float()
+            feed["time_ids"] = added["time_ids"].float()
+        return feed
+
+
+class EngineTextEncoder(EngineModule):
+    """Stands in for ``CLIPTextModel`` (``clip``) or ``CLIPTextModelWithProjection`` (``clip2``)."""
+
+    def __init__(self, torch_module, engines, component: str) -> None:
+        super().__init__(torch_module, engines)
+        self.component = component
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, **kwargs):
+        engines = self.engines[self.component]
+        out = None
+        if attention_mask is not None or position_ids is not None or output_attentions:
+            engines.torch_call("attention_mask / position_ids / attentions are not in the engine")
+        else:
+            out = engines.run({"input_ids": input_ids.to(torch.int32)})
+        if out is None:
+            return self.torch_module(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                     output_attentions=output_attentions,
+                                     output_hidden_states=output_hidden_states, return_dict=return_dict, **kwargs)
+        return self._outputs(out, input_ids, bool(output_hidden_states), return_dict)
+
+    def _outputs(self, out, like, hidden: bool, return_dict):
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+        from transformers.models.clip.modeling_clip import CLIPTextModelOutput
+
+        dtype = self.torch_module.dtype
+        conv = {k: _out(v, like, dtype) for k, v in out.items()}
+        states = None
+        if hidden:
+            n = sum(1 for k in conv if k.startswith("hidden_states."))
+            states = tuple(conv[f"hidden_states.{i}"] for i in range(n))
+        if self.component == "clip2":
+            result = CLIPTextModelOutput(text_embeds=conv["text_embeds"],
+                                         last_hidden_state=conv["last_hidden_state"], hidden_states=states)
+        else:
+            result = BaseModelOutputWithPooling(last_hidden_state=conv["last_hidden_state"],
+                                                pooler_output=conv["pooler_output"], hidden_states=states)
+        return result if return_dict is not False else result.to_tuple()
+
+
+class EngineVAE(EngineModule):
+    """Stands in for ``AutoencoderKL``: ``decode`` and ``encode`` on engines, the rest on torch."""
+
+    def forward(self, *args, **kwargs):
+        return self.torch_module(*args, **kwargs)
+
+    def decode(self, z: torch.Tensor, return_dict: bool = True, generator=None, **kwargs):
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        engines = self.engines.get("vae_decoder")
+        sample = None
+        if engines is not None:
+            sample = self._per_item(engines, "latent", "images", z)
+            if sample is not None and not torch.isfinite(sample).all():
+                engines.stats.engine_calls -= 1
+                engines.torch_call("engine decode produced NaN/inf")
+                sample = None
+        if sample is None:
+            return self.torch_module.decode(z, return_dict=return_dict, generator=generator, **kwargs)
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    def encode(self, x: torch.Tensor, return_dict: bool = True, **kwargs):
+        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        engines = self.engines.get("vae_encoder")
+        moments = self._per_item(engines, "images", "moments", x) if engines is not None else None
+        if moments is None:
+            return self.torch_module.encode(x, return_dict=return_dict, **kwargs)
+        dist = DiagonalGaussianDistribution(moments)
+        return AutoencoderKLOutput(latent_dist=dist) if return_dict else (dist,)
+
+    def _per_item(self, engines: ComponentEngines, name_in: str, name_out: str, x: torch.Tensor):
+        """With VAE slicing on, run one image at a time, as the torch VAE would."""
+        dtype = self.torch_module.dtype
+        if getattr(self.torch_module, "use_slicing", False) and x.shape[0] > 1:
+            parts = []
+            for item in x.split(1):
+                out = engines.run({name_in: item.float()})
+                if out is None:
+                    return None
+                parts.append(_out(out[name_out], x, dtype))
+            return torch.cat(parts)
+        out = engines.run({name_in: x.float()})
+        return None if out is None else _out(out[name_out], x, dtype)

@@ -1,0 +1,138 @@
+"""Swap engine-backed modules into a pipeline (and back), and read their stats."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any
+
+from sd_accel.runtime.modules import EngineModule, EngineTextEncoder, EngineUNet, EngineVAE
+from sd_accel.runtime.selection import ComponentEngines, EngineHandle
+
+log = logging.getLogger("sd_accel")
+
+# pipeline attribute -> (engine-backed class, components it serves)
+SLOTS = {
+    "text_encoder": ("clip",),
+    "text_encoder_2": ("clip2",),
+    "unet": ("unet",),
+    "vae": ("vae_decoder", "vae_encoder"),
+}
+
+
+def _set(pipe, name: str, module) -> None:
+    # object.__setattr__: diffusers' __setattr__ would record the wrapper class in the pipeline
+    # config, and a later save_pretrained would write that class into model_index.json.
+    object.__setattr__(pipe, name, module)
+
+
+def is_swapped(pipe) -> bool:
+    return any(isinstance(getattr(pipe, slot, None), EngineModule) for slot in SLOTS)
+
+
+def unswap(pipe) -> None:
+    """Put the torch modules back."""
+    for slot in SLOTS:
+        module = getattr(pipe, slot, None)
+        if isinstance(module, EngineModule):
+            _set(pipe, slot, module.torch_module)
+
+
+@contextmanager
+def torch_modules(pipe):
+    """Within the block, the pipeline holds its torch modules (for export, fingerprints, saving)."""
+    saved = {slot: getattr(pipe, slot) for slot in SLOTS if isinstance(getattr(pipe, slot, None), EngineModule)}
+    unswap(pipe)
+    try:
+        yield pipe
+    finally:
+        for slot, module in saved.items():
+            _set(pipe, slot, module)
+
+
+def _handles(cache, backend, component: str, fingerprint: str) -> tuple[list[EngineHandle], list[str]]:
+    info = backend.info()
+    handles, refused = [], []
+    for record in cache.find(model=fingerprint, component=component, backend=backend.name):
+        key = record.key
+        if key.arch != info.arch or key.backend_version != info.version:
+            refused.append(
+                f"{key.name} was built for {key.arch} / {backend.name} {key.backend_version}, this machine is "
+                f"{info.arch} / {info.version}: rebuild with build_engines(...) or `sd-accel build`"
+            )
+            continue
+        if getattr(record, "status", "ok") != "ok":
+            refused.append(f"{key.name} is marked bad ({record.bad_reason}); delete and rebuild it")
+            continue
+        handles.append(EngineHandle(record, backend, cache, info.arch, info.version))
+    return handles, refused
+
+
+def swap_engines(pipe, cache, backend, fallback: bool = True) -> dict[str, int]:
+    """Replace each module that has engines in ``cache`` with its engine-backed stand-in.
+
+    Returns how many usable engines each component got. Components without engines stay torch;
+    engines of another arch or backend version are never loaded, and the log says why.
+    """
+    from sd_accel.components import specs_for
+    from sd_accel.onnx.fingerprint import fingerprint
+
+    unswap(pipe)
+    specs = specs_for(pipe)
+    found: dict[str, int] = {}
+    for slot, components in SLOTS.items():
+        module = getattr(pipe, slot, None)
+        if module is None:
+            continue
+        engines: dict[str, ComponentEngines] = {}
+        for component in components:
+            if component not in specs:
+                continue
+            handles, refused = _handles(cache, backend, component, fingerprint(specs[component].torch_module()))
+            for why in refused:
+                log.warning("not loading engine %s", why)
+            found[component] = len(handles)
+            engines[component] = ComponentEngines(component, handles, fallback)
+        if not any(e.handles for e in engines.values()):
+            continue
+        wrapper = _wrap(slot, module, engines)
+        _set(pipe, slot, wrapper)
+    _guard_save(pipe)
+    log.info("engines swapped in: %s", found)
+    return found
+
+
+def _wrap(slot: str, module, engines: dict[str, ComponentEngines]) -> EngineModule:
+    if slot == "unet":
+        return EngineUNet(module, engines)
+    if slot == "vae":
+        return EngineVAE(module, engines)
+    return EngineTextEncoder(module, engines, SLOTS[slot][0])
+
+
+def _guard_save(pipe) -> None:
+    """``save_pretrained`` saves the torch modules, never the engine wrappers."""
+    if getattr(pipe, "_sd_accel_save_guarded", False):
+        return
+    original = pipe.save_pretrained
+
+    def save_pretrained(*args, **kwargs):
+        with torch_modules(pipe):
+            return original(*args, **kwargs)
+
+    object.__setattr__(pipe, "save_pretrained", save_pretrained)
+    object.__setattr__(pipe, "_sd_accel_save_guarded", True)
+
+
+def stats(pipe) -> dict[str, dict[str, Any]]:
+    """Per component: engine calls, torch calls, fallback reasons with counts, engines used.
+
+    >>> stats(pipe)["unet"]  # doctest: +SKIP
+    {'engine_calls': 20, 'torch_calls': 0, 'fallbacks': {}, 'engines_used': {'unet....': 20}}
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for slot in SLOTS:
+        module = getattr(pipe, slot, None)
+        if isinstance(module, EngineModule):
+            out.update(module.component_stats())
+    return out

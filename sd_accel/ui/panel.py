@@ -1,0 +1,269 @@
+"""The sd-accel Gradio panel: Generate, Engines and Settings tabs in one ``gr.Blocks``.
+
+Used by the standalone app (:mod:`sd_accel.ui.app`) and by the WebUI tab, so it sticks to
+Gradio API that means the same on 3.41 (A1111), 4.x (Forge) and 6.x: plain components,
+``.click(fn, inputs, outputs)``, ``.then``, ``gr.update(...)`` for new dropdown choices,
+generators for live progress, ``show_progress="minimal"``, ``queue=False`` for quick events.
+No themes, CSS, sidebars or per-version ``Component.update`` methods. The logic lives in
+:mod:`sd_accel.ui.state`; these handlers only turn widget values into its requests and its
+results into widget values.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import gradio as gr
+
+from sd_accel.config import ATTENTION, BACKENDS, OFFLOAD, PRECISION
+from sd_accel.profiles import PRESETS, default_preset
+from sd_accel.ui.state import (
+    BUILD_PRECISIONS,
+    COMPONENT_CHOICES,
+    DEFAULT_COMPONENTS,
+    DEFAULT_MODEL,
+    ENGINE_HEADERS,
+    BuildRequest,
+    BuildUpdate,
+    Busy,
+    GenerateRequest,
+    PanelState,
+    disk_usage,
+    engine_names,
+    engine_rows,
+    preset_fields,
+    profile_from_fields,
+)
+
+DEFAULT_SAMPLER_LABEL = "default (the model's scheduler)"
+_USER_ERRORS = (Busy, ValueError, RuntimeError, FileNotFoundError, OSError)
+
+
+def _sampler_choices() -> list[str]:
+    from sd_accel.samplers import list_presets
+
+    return [DEFAULT_SAMPLER_LABEL, *list_presets(available_only=True)]
+
+
+def _event_kwargs(listener: Callable, heavy: bool) -> dict[str, Any]:
+    """Keyword arguments an event listener takes on this Gradio version.
+
+    Heavy events (build, generate) share one concurrency group of size 1 on Gradio >= 4, whose
+    queue otherwise gives each function its own group; 3.x's ``queue(concurrency_count=1)``
+    already runs one event at a time. Quick events skip the queue (``queue=False``, all
+    versions) so that Cancel, Refresh and Delete answer while a build runs.
+    """
+    params = inspect.signature(listener).parameters
+    if not heavy:
+        return {"queue": False}
+    out: dict[str, Any] = {"show_progress": "minimal"}
+    if "concurrency_id" in params:
+        out.update(concurrency_id="sd_accel_heavy", concurrency_limit=1)
+    return out
+
+
+def _progress_markdown(update: BuildUpdate) -> str:
+    """A text progress bar plus the update's text (Markdown renders the same on every version)."""
+    if update.done:
+        return update.text
+    filled = int(round(update.fraction * 20))
+    return f"`{'█' * filled}{'░' * (20 - filled)}` {update.fraction * 100:.0f}%\n\n{update.text}"
+
+
+def _engine_table(state: PanelState):
+    import pandas as pd  # a Gradio dependency; a DataFrame keeps the headers when there are no rows
+
+    return pd.DataFrame(engine_rows(state.cache()), columns=ENGINE_HEADERS)
+
+
+def _engine_outputs(state: PanelState) -> tuple[Any, Any, str]:
+    """Table, picker choices and disk line, freshly read from the cache."""
+    cache = state.cache()
+    return _engine_table(state), gr.update(choices=engine_names(cache), value=None), disk_usage(cache)
+
+
+def build_panel(state: PanelState | None = None) -> gr.Blocks:
+    """The panel as a ``gr.Blocks``; ``state`` holds the settings and loaded pipelines.
+
+    >>> demo = build_panel(PanelState(engine_dir="/tmp/engines"))    # doctest: +SKIP
+    >>> demo.queue().launch()                                           # doctest: +SKIP
+    """
+    state = state or PanelState()
+    with gr.Blocks(title="sd-accel") as demo:
+        gr.Markdown("## sd-accel\nFaster Stable Diffusion: engines (TensorRT, ONNX Runtime), "
+                    "attention, precision and sampler presets.")
+        model = gr.Textbox(value=state.model or DEFAULT_MODEL, label="Model",
+                           placeholder="a .safetensors checkpoint, a diffusers folder, or builtin:tiny-sd15",
+                           elem_id="sd-accel-model")
+        with gr.Tab("Generate", elem_id="sd-accel-tab-generate"):
+            gen_precision = _generate_tab(state, model)
+        with gr.Tab("Engines", elem_id="sd-accel-tab-engines"):
+            eng = _engines_tab(state, model)
+        with gr.Tab("Settings", elem_id="sd-accel-tab-settings"):
+            _settings_tab(state, gen_precision, eng)
+        demo.load(lambda: _engine_outputs(state), None, [eng["table"], eng["name"], eng["disk"]],
+                  **_event_kwargs(demo.load, heavy=False))
+    return demo
+
+
+def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
+    """Lay out the Generate tab and wire its button; returns the precision dropdown (Settings sets it)."""
+    with gr.Row():
+        with gr.Column(scale=3):
+            prompt = gr.Textbox(value="a photo of a cat", label="Prompt", lines=2, elem_id="sd-accel-prompt")
+            negative = gr.Textbox(value="", label="Negative prompt", lines=1, elem_id="sd-accel-negative")
+            with gr.Row():
+                sampler = gr.Dropdown(_sampler_choices(), value="DPM++ 2M Karras", label="Sampler",
+                                      elem_id="sd-accel-sampler")
+                steps = gr.Slider(1, 150, value=20, step=1, label="Steps", elem_id="sd-accel-steps")
+                cfg = gr.Slider(1.0, 30.0, value=7.0, step=0.5, label="CFG scale", elem_id="sd-accel-cfg")
+            with gr.Row():
+                width = gr.Slider(64, 2048, value=512, step=8, label="Width", elem_id="sd-accel-width")
+                height = gr.Slider(64, 2048, value=512, step=8, label="Height", elem_id="sd-accel-height")
+                batch = gr.Slider(1, 8, value=1, step=1, label="Batch", elem_id="sd-accel-batch")
+                seed = gr.Number(value=0, precision=0, label="Seed", elem_id="sd-accel-seed")
+            with gr.Row():
+                attention = gr.Dropdown(list(ATTENTION), value="auto", label="Attention",
+                                        elem_id="sd-accel-attention")
+                precision = gr.Dropdown(list(PRECISION), value=state.precision, label="Precision",
+                                        elem_id="sd-accel-precision")
+                offload = gr.Dropdown(list(OFFLOAD), value="none", label="Offload", elem_id="sd-accel-offload")
+                use_engines = gr.Checkbox(value=True, label="Use engines", elem_id="sd-accel-use-engines")
+            button = gr.Button("Generate", variant="primary", elem_id="sd-accel-generate")
+        with gr.Column(scale=2):
+            gallery = gr.Gallery(label="Images", columns=2, height=400, elem_id="sd-accel-gallery")
+            report = gr.Markdown("", elem_id="sd-accel-report")
+
+    def on_generate(model_text, prompt_text, negative_text, sampler_name, n_steps, cfg_scale, w, h, n,
+                    seed_value, attention_name, precision_name, offload_name, engines_on):
+        req = GenerateRequest(
+            prompt=prompt_text or "", negative_prompt=negative_text or "",
+            model=(model_text or "").strip() or DEFAULT_MODEL,
+            sampler=None if sampler_name in (None, "", DEFAULT_SAMPLER_LABEL) else sampler_name,
+            steps=int(n_steps), cfg=float(cfg_scale), width=int(w), height=int(h), batch=int(n),
+            seed=int(seed_value or 0), attention=attention_name, precision=precision_name,
+            offload=offload_name, engines=bool(engines_on),
+        )
+        try:
+            outcome = state.generate(req)
+        except _USER_ERRORS as exc:  # shown in the report, not as a stack trace
+            return [], f"**Error**: {exc}"
+        return outcome.images, outcome.report()
+
+    inputs = [model, prompt, negative, sampler, steps, cfg, width, height, batch, seed, attention, precision,
+              offload, use_engines]
+    button.click(on_generate, inputs, [gallery, report], **_event_kwargs(button.click, heavy=True))
+    return precision
+
+
+def _engines_tab(state: PanelState, model: gr.Textbox) -> dict[str, Any]:
+    """Lay out the Engines tab and wire it; returns the components other tabs update."""
+    first = default_preset("sd15")
+    with gr.Row():
+        with gr.Column(scale=3):
+            preset = gr.Dropdown(list(PRESETS), value=first, label="Preset (fills the ranges below)",
+                                 elem_id="sd-accel-preset")
+            b, h, w, t = preset_fields(first)
+            with gr.Row():
+                r_batch = gr.Textbox(b, label="Batch: n, or min, opt, max", elem_id="sd-accel-range-batch")
+                r_height = gr.Textbox(h, label="Height (px)", elem_id="sd-accel-range-height")
+                r_width = gr.Textbox(w, label="Width (px)", elem_id="sd-accel-range-width")
+                r_tokens = gr.Textbox(t, label="Tokens (77 per chunk)", elem_id="sd-accel-range-tokens")
+            with gr.Row():
+                backend = gr.Dropdown(list(BACKENDS), value=state.backend, label="Backend",
+                                      elem_id="sd-accel-backend")
+                precision = gr.Dropdown(list(BUILD_PRECISIONS), value=state.build_precision(),
+                                        label="Engine precision", elem_id="sd-accel-build-precision")
+            components = gr.CheckboxGroup(list(COMPONENT_CHOICES), value=list(DEFAULT_COMPONENTS),
+                                          label="Components (those the model lacks are skipped)",
+                                          elem_id="sd-accel-components")
+            with gr.Row():
+                build = gr.Button("Build engines", variant="primary", elem_id="sd-accel-build")
+                cancel = gr.Button("Cancel build", variant="stop", elem_id="sd-accel-cancel")
+        with gr.Column(scale=2):
+            progress = gr.Markdown("No build running.", elem_id="sd-accel-build-progress")
+    gr.Markdown("### Engines on disk")
+    table = gr.Dataframe(headers=ENGINE_HEADERS, value=_engine_table(state), interactive=False, wrap=True,
+                         label="Engines", elem_id="sd-accel-engines")
+    disk = gr.Markdown(disk_usage(state.cache()), elem_id="sd-accel-disk")
+    with gr.Row():
+        name = gr.Dropdown(engine_names(state.cache()), value=None, label="Engine (for Delete / Rebuild)",
+                           scale=4, elem_id="sd-accel-engine-name")
+        delete = gr.Button("Delete", variant="stop", scale=1, elem_id="sd-accel-delete")
+        rebuild = gr.Button("Rebuild", scale=1, elem_id="sd-accel-rebuild")
+        refresh = gr.Button("Refresh", scale=1, elem_id="sd-accel-refresh")
+    action = gr.Markdown("", elem_id="sd-accel-engine-action")
+    listing = [table, name, disk]
+
+    def on_build(model_text, *fields_and_choices) -> Iterator[str]:
+        *ranges, backend_name, precision_name, picked = fields_and_choices
+        try:
+            profile = profile_from_fields(*ranges)
+        except ValueError as exc:
+            yield f"**Cannot build**: {exc}"
+            return
+        req = BuildRequest(profile=profile, model=(model_text or "").strip() or DEFAULT_MODEL,
+                           components=tuple(picked or ()), backend=backend_name, precision=precision_name)
+        for update in state.build(req):
+            yield _progress_markdown(update)
+
+    def on_rebuild(model_text, engine_name) -> Iterator[str]:
+        if not engine_name:
+            yield "Pick an engine to rebuild first."
+            return
+        for update in state.rebuild(engine_name, (model_text or "").strip() or DEFAULT_MODEL):
+            yield _progress_markdown(update)
+
+    def on_delete(engine_name):
+        try:
+            message = state.delete(engine_name)
+        except _USER_ERRORS as exc:
+            message = f"**Cannot delete**: {exc}"
+        return (message, *_engine_outputs(state))
+
+    quick = _event_kwargs(refresh.click, heavy=False)
+    heavy = _event_kwargs(build.click, heavy=True)
+    def on_preset(preset_name):
+        if preset_name not in PRESETS:  # cleared: keep the ranges as they are
+            return tuple(gr.update() for _ in range(4))
+        return preset_fields(preset_name)
+
+    preset.change(on_preset, preset, [r_batch, r_height, r_width, r_tokens], **quick)
+    build_inputs = [model, r_batch, r_height, r_width, r_tokens, backend, precision, components]
+    def after_build():  # the table changed; an old "Cancelling..." line no longer applies
+        return ("", *_engine_outputs(state))
+
+    build.click(on_build, build_inputs, progress, **heavy).then(after_build, None, [action, *listing], **quick)
+    cancel.click(state.cancel_build, None, action, **quick)
+    rebuild.click(on_rebuild, [model, name], progress, **heavy).then(
+        after_build, None, [action, *listing], **quick)
+    delete.click(on_delete, name, [action, *listing], **quick)
+    refresh.click(lambda: _engine_outputs(state), None, listing, **quick)
+    return {"table": table, "name": name, "disk": disk, "backend": backend, "precision": precision}
+
+
+def _settings_tab(state: PanelState, gen_precision: gr.Dropdown, eng: dict[str, Any]) -> None:
+    """Lay out the Settings tab; Save applies to the state and to the other tabs' defaults."""
+    gr.Markdown("Defaults for this app: builds and generation use them until changed here. "
+                "Engines are only ever loaded on the backend version and GPU/CPU class they were built for.")
+    engine_dir = gr.Textbox(value=str(state.cache().root), label="Engine directory",
+                            elem_id="sd-accel-engine-dir")
+    with gr.Row():
+        backend = gr.Dropdown(list(BACKENDS), value=state.backend, label="Default backend",
+                              elem_id="sd-accel-default-backend")
+        precision = gr.Dropdown(list(PRECISION), value=state.precision, label="Default precision",
+                                elem_id="sd-accel-default-precision")
+    save = gr.Button("Save settings", variant="primary", elem_id="sd-accel-save-settings")
+    status = gr.Markdown("", elem_id="sd-accel-settings-status")
+
+    def on_save(dir_text, backend_name, precision_name):
+        try:
+            message = state.apply_settings(dir_text, backend_name, precision_name)
+        except _USER_ERRORS as exc:
+            message = f"**Not saved**: {exc}"
+        return (message, state.precision, state.backend, state.build_precision(), *_engine_outputs(state))
+
+    outputs = [status, gen_precision, eng["backend"], eng["precision"], eng["table"], eng["name"], eng["disk"]]
+    save.click(on_save, [engine_dir, backend, precision], outputs, **_event_kwargs(save.click, heavy=False))

@@ -1,0 +1,510 @@
+"""What the Gradio panel does, without Gradio: loaded pipelines, builds with cancel, engine rows.
+
+Kept apart from :mod:`sd_accel.ui.panel` so that it is tested without a browser, and so that
+the panel stays a thin layout. Everything here calls the api layer (``load_pipeline``,
+``accelerate``, ``build_engines``, ``EngineCache``, ``stats``, ``generate``).
+
+>>> state = PanelState(engine_dir="/tmp/engines")                                    # doctest: +SKIP
+>>> for update in state.build(BuildRequest(profile=profile_from_fields("1", "64", "64", "77"))):
+...     print(update.text)                                                               # doctest: +SKIP
+>>> engine_rows(state.cache())                                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sd_accel.config import BACKENDS, PRECISION
+from sd_accel.profiles import PRESETS, Profile, Range
+
+log = logging.getLogger("sd_accel")
+
+DEFAULT_MODEL = "builtin:tiny-sd15"
+COMPONENT_CHOICES = ("clip", "clip2", "unet", "vae_decoder", "vae_encoder")
+# vae_encoder only serves img2img; leaving it out by default keeps the first build shorter.
+DEFAULT_COMPONENTS = ("clip", "clip2", "unet", "vae_decoder")
+BUILD_PRECISIONS = ("auto", "fp32", "fp16")
+ENGINE_HEADERS = ["component", "profile", "precision", "backend", "size", "rel_l2", "status", "last used",
+                  "model", "name"]
+_POLL_S = 0.25  # how often a waiting build generator wakes to yield (keeps the page live)
+
+
+class Busy(RuntimeError):
+    """Another build or generation holds the panel; the user should wait or cancel it."""
+
+
+# --------------------------------------------------------------------------- profiles from fields
+
+
+def parse_range(name: str, text: str | int | float) -> Range:
+    """``"64"`` -> (64, 64, 64); ``"256, 512, 768"`` -> (256, 512, 768). ValueError teaches the form."""
+    parts = [p for p in re.split(r"[\s,/]+", str(text).strip()) if p]
+    try:
+        values = [int(float(p)) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    if len(values) == 3:
+        return values[0], values[1], values[2]
+    raise ValueError(f"{name}: write one number (static) or three as 'min, opt, max', got {text!r}")
+
+
+def format_range(r: Range) -> str:
+    """The inverse of :func:`parse_range`: one number when static."""
+    return str(r[0]) if r[0] == r[2] else f"{r[0]}, {r[1]}, {r[2]}"
+
+
+def profile_from_fields(batch: str, height: str, width: str, tokens: str) -> Profile:
+    """A :class:`Profile` from the panel's four range boxes (Profile validates the values)."""
+    return Profile(
+        batch=parse_range("batch", batch),
+        height=parse_range("height", height),
+        width=parse_range("width", width),
+        tokens=parse_range("tokens", tokens),
+    )
+
+
+def preset_fields(name: str) -> tuple[str, str, str, str]:
+    """The four range boxes for a preset: batch, height, width, tokens."""
+    p = PRESETS[name]
+    return format_range(p.batch), format_range(p.height), format_range(p.width), format_range(p.tokens)
+
+
+def profile_from_tag(tag: str) -> Profile:
+    """Read a :attr:`Profile.tag` back (for Rebuild). The token opt is not in the tag: taken as min.
+
+    >>> profile_from_tag("b1-2.h64-136.w64-136.t77-154.opt1x64x64").tag
+    'b1-2.h64-136.w64-136.t77-154.opt1x64x64'
+    """
+    body, opt = tag, None
+    if body.startswith("static."):
+        body = body[len("static."):]
+    else:
+        body, _, opt_text = body.rpartition(".opt")
+        opt = [int(v) for v in opt_text.split("x")]
+    ranges: dict[str, Range] = {}
+    for part, name in zip(body.split("."), ("batch", "height", "width", "tokens"), strict=True):
+        lo, _, hi = part[1:].partition("-")
+        ranges[name] = (int(lo), int(lo), int(hi or lo))
+    if opt is not None:
+        for name, value in zip(("batch", "height", "width"), opt, strict=True):
+            ranges[name] = (ranges[name][0], value, ranges[name][2])
+    profile = Profile(**ranges)
+    if profile.tag != tag:
+        raise ValueError(f"cannot read the profile {tag!r} back; build it from the ranges instead")
+    return profile
+
+
+# --------------------------------------------------------------------------- engine table
+
+
+def engine_rows(cache) -> list[list[str]]:
+    """One row per engine in ``cache`` (an :class:`EngineCache`), columns :data:`ENGINE_HEADERS`."""
+    from sd_accel.cache.store import format_size
+
+    rows = []
+    for r in cache.list():
+        rel = (r.validation or {}).get("rel_l2")
+        status = r.status if r.status == "ok" else f"{r.status}: {r.bad_reason or ''}".strip()
+        rows.append([
+            r.key.component,
+            r.key.profile,
+            r.key.precision,
+            f"{r.key.backend} {r.key.backend_version}",
+            format_size(r.size_bytes),
+            "-" if rel is None else f"{rel:.2e}",
+            status,
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(r.last_used)) if r.last_used else "never",
+            r.key.model[:12],
+            r.name,
+        ])
+    return rows
+
+
+def engine_names(cache) -> list[str]:
+    """Engine names for the Delete / Rebuild picker."""
+    return [r.name for r in cache.list()]
+
+
+def disk_usage(cache) -> str:
+    """One line: how many engines, how much disk, where."""
+    from sd_accel.cache.store import format_size
+
+    n = len(cache.list())
+    return f"{n} engine{'s' if n != 1 else ''}, {format_size(cache.total_size())} on disk in `{cache.root}`"
+
+
+# --------------------------------------------------------------------------- requests and results
+
+
+@dataclass
+class BuildRequest:
+    """What the Build button asks for; ``backend``/``precision`` None means the Settings default."""
+
+    profile: Profile
+    model: str = DEFAULT_MODEL
+    components: tuple[str, ...] = DEFAULT_COMPONENTS
+    backend: str | None = None
+    precision: str | None = None
+
+
+@dataclass
+class BuildUpdate:
+    """One progress report for the panel: text to show, overall fraction, and how it ended."""
+
+    text: str
+    fraction: float
+    done: bool = False
+    ok: bool = True
+    records: list = field(default_factory=list)
+
+
+@dataclass
+class GenerateRequest:
+    """What the Generate button asks for; ``sampler`` None keeps the model's scheduler."""
+
+    prompt: str
+    negative_prompt: str = ""
+    model: str = DEFAULT_MODEL
+    sampler: str | None = None
+    steps: int = 20
+    cfg: float = 7.0
+    width: int = 512
+    height: int = 512
+    batch: int = 1
+    seed: int = 0
+    attention: str = "auto"
+    precision: str | None = None
+    offload: str = "none"
+    engines: bool = True
+
+
+@dataclass
+class GenerateOutcome:
+    """Images, timings and where each component ran (``usage``: component -> text)."""
+
+    images: list
+    seconds: float
+    it_per_s: float
+    steps: int
+    unet_calls: int
+    usage: dict[str, str]
+    summary: dict[str, Any]
+
+    def report(self) -> str:
+        """Markdown for the panel: time, it/s, then one row per component, "engine" or "torch"."""
+        head = (f"**{self.seconds:.2f} s**, {self.it_per_s:.2f} it/s, {self.steps} steps, "
+                f"{self.unet_calls} UNet calls, {len(self.images)} image(s)")
+        rows = "\n".join(f"| {c} | {u} |" for c, u in self.usage.items())
+        return f"{head}\n\n| component | ran on |\n|---|---|\n{rows}"
+
+
+def _calls(n: int) -> str:
+    return f"{n} call{'s' if n != 1 else ''}"
+
+
+def usage_text(before: dict[str, dict], after: dict[str, dict], engines_found: dict[str, int],
+               engines_on: bool) -> dict[str, str]:
+    """Per component, where this run's calls went: ``engine (2 calls)``, ``torch (...)``.
+
+    ``before``/``after`` are ``stats(pipe)`` around the run (counters accumulate over runs, so
+    the difference is this run's). A component without a stand-in module ran torch.
+    """
+    if not engines_on:
+        return {"all": "torch (engines off)"}
+    out: dict[str, str] = {}
+    for comp in sorted(set(engines_found) | set(after)):
+        now, old = after.get(comp), before.get(comp, {})
+        if now is None:
+            out[comp] = "torch (no engine for this model; build one in the Engines tab)"
+            continue
+        eng = now["engine_calls"] - old.get("engine_calls", 0)
+        tor = now["torch_calls"] - old.get("torch_calls", 0)
+        reasons = {k: v - old.get("fallbacks", {}).get(k, 0) for k, v in now["fallbacks"].items()}
+        why = "; ".join(k for k, v in reasons.items() if v > 0)
+        if eng == 0 and tor == 0:
+            out[comp] = "not called"
+        elif tor == 0:
+            out[comp] = f"engine ({_calls(eng)})"
+        elif eng == 0:
+            out[comp] = f"torch ({_calls(tor)}: {why})"
+        else:
+            out[comp] = f"engine ({_calls(eng)}) + torch ({_calls(tor)}: {why})"
+    return out
+
+
+# --------------------------------------------------------------------------- the state
+
+
+def _config_key(config) -> str | None:
+    # AccelConfig is a mutable dataclass (unhashable): its JSON is the cache key.
+    return None if config is None else json.dumps(config.to_dict(), sort_keys=True)
+
+
+@dataclass
+class PanelState:
+    """Settings plus what the panel keeps between clicks. One per app (shared by its users).
+
+    ``max_pipelines`` bounds the loaded-pipeline cache: a real SD model is GBs, so by default
+    only the last (model, config) stays loaded. ``_lock`` lets one build or generation run at a
+    time in this process, whatever queue settings the host app (the WebUI) uses.
+    """
+
+    engine_dir: str | None = None
+    backend: str = "auto"
+    precision: str = "auto"
+    model: str = DEFAULT_MODEL
+    max_pipelines: int = 1
+    _pipes: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _cancel: threading.Event | None = field(default=None, init=False, repr=False)
+    _engines_version: int = field(default=0, init=False, repr=False)
+
+    # ---- settings
+
+    def cache(self):
+        """The :class:`EngineCache` at the configured engine directory."""
+        from sd_accel import EngineCache
+
+        return EngineCache(self.engine_dir or None)
+
+    def apply_settings(self, engine_dir: str | None, backend: str, precision: str) -> str:
+        """Validate and keep the Settings tab's values; returns a line for the user."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if precision not in PRECISION:
+            raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISION)}")
+        self.engine_dir = (engine_dir or "").strip() or None
+        self.backend, self.precision = backend, precision
+        self.engines_changed()  # another engine dir means other engines
+        return f"Saved: engines in `{self.cache().root}`, backend {backend}, precision {precision}."
+
+    def build_precision(self, requested: str | None = None) -> str:
+        """The precision a build uses: the request, else Settings' when a build can use it, else auto."""
+        value = requested or self.precision
+        return value if value in BUILD_PRECISIONS else "auto"
+
+    # ---- pipelines
+
+    def engines_changed(self) -> None:
+        """Engines were built or deleted: engine-backed pipelines re-swap before their next run."""
+        self._engines_version += 1
+
+    def pipeline(self, model: str, config=None):
+        """A loaded pipeline for ``(model, config)``, from the cache when there (LRU, see class doc).
+
+        ``config`` None is the plain loaded pipeline (what builds export from). A cached
+        engine-backed pipeline is accelerated again when engines changed since, so that it
+        picks up new engines and drops deleted ones.
+        """
+        from sd_accel import accelerate, load_pipeline
+
+        key = (model, _config_key(config))
+        entry = self._pipes.get(key)
+        if entry is None:
+            while len(self._pipes) >= max(1, self.max_pipelines):
+                self._pipes.popitem(last=False)  # drop first: two big models may not fit together
+            pipe = load_pipeline(model)
+            if config is not None:
+                pipe = accelerate(pipe, config)
+            entry = self._pipes[key] = [pipe, self._engines_version]
+        elif config is not None and config.engines and entry[1] != self._engines_version:
+            entry[0] = accelerate(entry[0], config)
+            entry[1] = self._engines_version
+        self._pipes.move_to_end(key)
+        return entry[0]
+
+    # ---- generation
+
+    def generate(self, req: GenerateRequest) -> GenerateOutcome:
+        """Run one generation; raises :class:`Busy` while a build runs."""
+        from sd_accel import AccelConfig, stats
+        from sd_accel.generate import generate
+
+        if self.building:
+            raise Busy("Engines are being built; generate when the build ends, or cancel it.")
+        config = AccelConfig(
+            precision=req.precision or self.precision, attention=req.attention, offload=req.offload,
+            sampler=req.sampler or None, engines=bool(req.engines), engine_dir=self.engine_dir,
+            backend=self.backend,
+        )
+        with self._lock:
+            pipe = self.pipeline(req.model, config)
+            before = stats(pipe)
+            result = generate(pipe, req.prompt, negative_prompt=req.negative_prompt or None,
+                              steps=int(req.steps), cfg=float(req.cfg), width=int(req.width),
+                              height=int(req.height), batch=int(req.batch), seed=int(req.seed))
+            after = stats(pipe)
+        found = pipe.sd_accel.engines if req.engines else {}
+        return GenerateOutcome(
+            images=result.images, seconds=result.seconds, it_per_s=result.it_per_s, steps=result.steps,
+            unet_calls=result.unet_calls, usage=usage_text(before, after, found, bool(req.engines)),
+            summary=pipe.sd_accel.summary(),
+        )
+
+    # ---- engines
+
+    def delete(self, name: str) -> str:
+        """Delete one engine by name; returns a line for the user."""
+        name = (name or "").strip()
+        if not name:
+            return "Pick an engine to delete first."
+        if not self.cache().delete(name):
+            return f"No engine named `{name}` (already deleted?)."
+        self.engines_changed()
+        return f"Deleted `{name}`."
+
+    # ---- builds
+
+    @property
+    def building(self) -> bool:
+        """True while a build runs (its cancel Event is set up and not yet cleared)."""
+        return self._cancel is not None
+
+    def cancel_build(self) -> str:
+        """Ask the running build to stop at its next progress tick; nothing partial is kept."""
+        cancel = self._cancel
+        if cancel is None:
+            return "No build is running."
+        cancel.set()
+        return "Cancelling: the build stops at its next step and keeps nothing partial."
+
+    def build(self, req: BuildRequest) -> Iterator[BuildUpdate]:
+        """Build engines in a worker thread, yielding progress until it ends (last update: done)."""
+        return self._run_build(req, None)
+
+    def rebuild(self, name: str, model: str) -> Iterator[BuildUpdate]:
+        """Delete engine ``name`` and build it again (same component, profile, precision, backend).
+
+        Refuses (one update, ok=False) when the engine is not the given model's: rebuilding it
+        from another model would silently replace it with a different one.
+        """
+        record = next((r for r in self.cache().list() if r.name == name), None)
+        if record is None:
+            return iter([BuildUpdate(f"No engine named `{name}`; refresh the table.", 0.0, True, False)])
+        key = record.key
+        try:
+            profile = profile_from_tag(key.profile)
+        except ValueError as exc:
+            return iter([BuildUpdate(f"Cannot rebuild: {exc}", 0.0, True, False)])
+        req = BuildRequest(profile=profile, model=model, components=(key.component,), backend=key.backend,
+                           precision=key.precision)
+        return self._run_build(req, record)
+
+    def _run_build(self, req: BuildRequest, replace) -> Iterator[BuildUpdate]:
+        if not self._lock.acquire(blocking=False):
+            yield BuildUpdate("Another build or generation is running; try again when it ends.", 0.0, True, False)
+            return
+        cancel = self._cancel = threading.Event()
+        events: queue.Queue = queue.Queue()
+        worker = threading.Thread(target=self._build_worker, args=(req, replace, cancel, events),
+                                  name="sd-accel-build", daemon=True)
+        try:
+            worker.start()
+        except BaseException:
+            self._cancel = None
+            self._lock.release()
+            raise
+        try:
+            yield from _follow(events, worker, time.perf_counter())
+        finally:
+            # A generator closed early (the page went away) cancels its build rather than leave
+            # it holding the lock with nobody watching.
+            if worker.is_alive():
+                cancel.set()
+
+    def _build_worker(self, req: BuildRequest, replace, cancel: threading.Event, events: queue.Queue) -> None:
+        """Runs in the worker thread; owns the lock it was handed and releases it at the end."""
+        from sd_accel import build_engines
+        from sd_accel.build import BuildCancelled
+
+        try:
+            pipe = self.pipeline(req.model, None)
+            components, skipped = _components_of(pipe, req.components)
+            if replace is not None:
+                _check_same_model(pipe, replace)
+                self.cache().delete(replace.name)
+                self.engines_changed()
+            records = build_engines(
+                pipe, profiles=[req.profile], backend=req.backend or self.backend,
+                precision=self.build_precision(req.precision), components=components,
+                engine_dir=self.engine_dir, progress=events.put, cancel=cancel, validate=True,
+            )
+            events.put(("done", records, skipped))
+        except BuildCancelled:
+            events.put(("cancelled", None, None))
+        except Exception as exc:  # shown to the user; the panel must survive any build failure
+            log.exception("build failed")
+            events.put(("error", exc, None))
+        finally:
+            self.engines_changed()
+            self._cancel = None
+            self._lock.release()
+
+
+def _follow(events: queue.Queue, worker: threading.Thread, start: float) -> Iterator[BuildUpdate]:
+    """Turn the worker's BuildEvents and its final message into :class:`BuildUpdate` s."""
+    finished: list[str] = []
+    yield BuildUpdate("Starting: loading the model...", 0.0)
+    while True:
+        try:
+            item = events.get(timeout=_POLL_S)
+        except queue.Empty:
+            if not worker.is_alive() and events.empty():  # died without a final word (SystemExit...)
+                yield BuildUpdate("**Build stopped** without a result; see the server log.", 0.0, True, False)
+                return
+            continue
+        if isinstance(item, tuple):
+            yield _final(item, finished, time.perf_counter() - start)
+            return
+        if item.fraction >= 1.0 and item.stage in ("done", "cached", "built by another process"):
+            finished.append(f"{item.component} `{item.profile}`: {item.stage}")
+        overall = (item.index + item.fraction) / max(1, item.total)
+        text = (f"Engine {item.index + 1} of {item.total}: **{item.component}** `{item.profile}` — "
+                f"{item.stage}")
+        yield BuildUpdate("\n".join([text, *(f"- {f}" for f in finished)]), overall)
+
+
+def _final(item: tuple, finished: list[str], seconds: float) -> BuildUpdate:
+    kind, payload, skipped = item
+    done = "\n".join(f"- {f}" for f in finished)
+    if kind == "done":
+        note = f"\n\nSkipped (not in this model): {', '.join(skipped)}" if skipped else ""
+        return BuildUpdate(f"**Done**: {len(payload)} engine(s) ready in {seconds:.1f} s.\n{done}{note}",
+                           1.0, True, True, payload)
+    if kind == "cancelled":
+        return BuildUpdate("**Cancelled**: nothing partial was kept.", 0.0, True, False)
+    return BuildUpdate(f"**Build failed**: {payload}", 0.0, True, False)
+
+
+def _components_of(pipe, wanted: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Split the ticked components into those the pipeline has and those it lacks (clip2 on SD 1.x)."""
+    from sd_accel.components import specs_for
+
+    have = specs_for(pipe)
+    if not wanted:
+        raise ValueError("tick at least one component to build")
+    return [c for c in wanted if c in have], [c for c in wanted if c not in have]
+
+
+def _check_same_model(pipe, record) -> None:
+    """ValueError unless ``record`` was built from this pipeline's weights (see ``rebuild``)."""
+    from sd_accel.components import specs_for
+    from sd_accel.onnx.fingerprint import fingerprint
+
+    spec = specs_for(pipe).get(record.key.component)
+    if spec is None or fingerprint(spec.torch_module()) != record.key.model:
+        raise ValueError(
+            f"engine {record.name} was built from another model than the one picked; pick that model "
+            "first (its fingerprint starts " + record.key.model[:12] + ")"
+        )

@@ -1,0 +1,649 @@
+"""The engine cache on real files: index rebuilds, locks across processes, checksums, pruning."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sd_accel.backends.base import EngineError
+from sd_accel.cache import store
+from sd_accel.cache.key import EngineKey
+from sd_accel.cache.store import (
+    INDEX_FILE,
+    INDEX_SCHEMA,
+    META_FILE,
+    EngineCache,
+    EngineRecord,
+    default_engine_dir,
+    parse_age,
+    parse_size,
+)
+
+SHAPES = {"sample": ((1, 4, 8, 8), (2, 4, 8, 8), (2, 4, 16, 16)), "t": ((1,), (1,), (1,))}
+VALIDATION = {"max_abs": 1e-4, "rel_l2": 2e-5, "ok": True}
+
+
+def make_key(**changes: object) -> EngineKey:
+    fields = {
+        "model": "0123456789abcdef0123",
+        "component": "unet",
+        "backend": "onnxruntime",
+        "backend_version": "1.20.0",
+        "arch": "sm86",
+        "precision": "fp16",
+        "profile": "static.b2.h64.w64.t77",
+    }
+    fields.update(changes)
+    return EngineKey(**fields)  # type: ignore[arg-type]
+
+
+def build(
+    cache: EngineCache, key: EngineKey, payload: bytes = b"engine-bytes", **commit: object
+) -> EngineRecord:
+    """Build a fake engine of two files through a real build slot."""
+    with cache.build_slot(key, timeout=0) as slot:
+        assert slot is not None
+        (slot.dir / "model.onnx").write_bytes(payload)
+        (slot.dir / "data").mkdir()
+        (slot.dir / "data" / "weights.bin").write_bytes(payload * 3)
+        args = {"validation": VALIDATION, "extra": {"opset": 17}, **commit}
+        return slot.commit(["model.onnx", slot.dir / "data" / "weights.bin"], SHAPES, 1.5, **args)
+
+
+def leftovers(cache: EngineCache) -> list[str]:
+    return sorted(p.name for p in cache.root.iterdir() if p.name.startswith((".tmp-", ".trash-")))
+
+
+def lock_is_free(cache: EngineCache, key: EngineKey) -> bool:
+    """Whether another build of ``key`` can start at once (a fresh lock, no waiting)."""
+    try:
+        with cache.build_slot(key, timeout=0, force=True):
+            return True
+    except EngineError:
+        return False
+
+
+def run_python(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+@pytest.fixture()
+def cache(tmp_path: Path) -> EngineCache:
+    return EngineCache(tmp_path / "engines")
+
+
+# --------------------------------------------------------------------------- commit, read
+
+
+def test_commit_writes_folder_meta_and_index(cache: EngineCache) -> None:
+    key = make_key()
+    record = build(cache, key)
+
+    folder = cache.root / key.name
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == [
+        "data/weights.bin",
+        META_FILE,
+        "model.onnx",
+    ]
+    assert record.files == ["data/weights.bin", "model.onnx"]
+    assert record.size_bytes == len(b"engine-bytes") * 4
+    assert record.checksum.startswith("sha256:") and len(record.checksum) == 7 + 64
+    assert record.shapes == SHAPES and record.validation == VALIDATION and record.extra == {"opset": 17}
+    assert record.status == "ok" and record.bad_reason is None and record.build_seconds == 1.5
+    assert record.created == record.last_used <= time.time()
+
+    meta = json.loads((folder / META_FILE).read_text())
+    assert EngineRecord.from_dict(meta) == record
+    index = json.loads((cache.root / INDEX_FILE).read_text())
+    assert index["schema"] == INDEX_SCHEMA and list(index["engines"]) == [key.name]
+    assert leftovers(cache) == []
+    cache.verify(record, arch="sm86", backend_version="1.20.0")
+
+
+def test_list_get_find(cache: EngineCache) -> None:
+    unet = build(cache, make_key())
+    vae = build(cache, make_key(component="vae_decoder"))
+    trt = build(cache, make_key(backend="tensorrt", backend_version="10.5.0", arch="sm89"))
+    other_model = build(cache, make_key(model="fedcba9876543210"))
+
+    assert cache.list() == sorted([unet, vae, trt, other_model], key=lambda r: r.name)
+    assert cache.get(make_key(component="vae_decoder")) == vae
+    assert cache.get(make_key(precision="fp32")) is None
+    assert cache.find(component="unet", backend="onnxruntime") == sorted(
+        [unet, other_model], key=lambda r: r.name
+    )
+    assert cache.find(arch="sm89") == [trt]
+    assert cache.find(model="fedcba9876543210") == [other_model]
+    assert cache.find(component="clip") == []
+    assert cache.total_size() == sum(r.size_bytes for r in (unet, vae, trt, other_model))
+
+
+def test_commit_without_file_list_takes_every_file(cache: EngineCache) -> None:
+    with cache.build_slot(make_key()) as slot:
+        assert slot is not None
+        (slot.dir / "a.plan").write_bytes(b"a")
+        (slot.dir / "b.cache").write_bytes(b"bb")
+        record = slot.commit(None, SHAPES, 0.1)
+    assert record.files == ["a.plan", "b.cache"] and record.size_bytes == 3
+
+
+def test_commit_refuses_files_it_did_not_get(cache: EngineCache, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(b"x")
+    for files in ([outside], ["missing.plan"], []):
+        with pytest.raises(EngineError), cache.build_slot(make_key()) as slot:
+            assert slot is not None
+            slot.commit(files, SHAPES, 0.1)
+    assert cache.list() == [] and leftovers(cache) == []
+
+
+def test_existing_engine_yields_none_and_bad_one_is_rebuilt(cache: EngineCache) -> None:
+    key = make_key()
+    build(cache, key, validation={"max_abs": float("nan"), "ok": False})
+    bad = cache.get(key)
+    assert bad is not None and bad.status == "bad" and "validation" in (bad.bad_reason or "")
+
+    rebuilt = build(cache, key, payload=b"better")  # a bad engine gets a slot again
+    assert cache.list() == [rebuilt] and rebuilt.status == "ok"
+    with cache.build_slot(key) as slot:
+        assert slot is None
+    with cache.build_slot(key, force=True) as slot:
+        assert slot is not None
+    assert cache.list() == [rebuilt]  # a forced slot left without commit changes nothing
+
+
+def test_reading_an_empty_or_missing_root_creates_nothing(tmp_path: Path) -> None:
+    cache = EngineCache(tmp_path / "nowhere")
+    assert cache.list() == [] and cache.broken() == [] and cache.total_size() == 0
+    assert cache.get(make_key()) is None and cache.prune(max_bytes=0) == []
+    assert not cache.root.exists()
+
+
+# --------------------------------------------------------------------------- the index
+
+
+def test_deleted_index_is_rebuilt_with_the_same_records(
+    cache: EngineCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    records = [build(cache, make_key(component=c)) for c in ("unet", "clip", "vae_decoder")]
+    before = cache.list()
+    (cache.root / INDEX_FILE).unlink()
+
+    with caplog.at_level(logging.WARNING, logger=store.__name__):
+        after = cache.list()
+
+    assert after == before == sorted(records, key=lambda r: r.name)
+    assert "rebuilt" in caplog.text and INDEX_FILE in caplog.text
+    index = json.loads((cache.root / INDEX_FILE).read_text())
+    assert index["schema"] == INDEX_SCHEMA and sorted(index["engines"]) == [r.name for r in before]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "",
+        "[1, 2]",
+        json.dumps({"schema": INDEX_SCHEMA + 1, "engines": {}}),
+        json.dumps({"engines": {}}),
+        json.dumps({"schema": INDEX_SCHEMA, "engines": {"unet.x.s1": {"key": 5}}}),
+    ],
+    ids=["garbage", "empty", "list", "newer-schema", "no-schema", "bad-entry"],
+)
+def test_unusable_index_is_rebuilt(
+    cache: EngineCache, content: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    record = build(cache, make_key())
+    (cache.root / INDEX_FILE).write_text(content)
+
+    with caplog.at_level(logging.WARNING, logger=store.__name__):
+        assert cache.list() == [record]
+    assert "rebuilt" in caplog.text
+    index = json.loads((cache.root / INDEX_FILE).read_text())
+    assert index["schema"] == INDEX_SCHEMA and list(index["engines"]) == [record.name]
+
+
+def test_entry_whose_folder_was_deleted_by_hand_is_dropped(
+    cache: EngineCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    gone = build(cache, make_key())
+    kept = build(cache, make_key(component="clip"))
+    shutil.rmtree(cache.root / gone.name)
+
+    with caplog.at_level(logging.WARNING, logger=store.__name__):
+        assert cache.list() == [kept]
+    assert gone.name in caplog.text and "dropped" in caplog.text
+    assert cache.get(gone.key) is None
+    assert list(json.loads((cache.root / INDEX_FILE).read_text())["engines"]) == [kept.name]
+
+
+def test_folder_without_index_entry_is_picked_up(cache: EngineCache, tmp_path: Path) -> None:
+    here = build(cache, make_key())
+    elsewhere = EngineCache(tmp_path / "other")
+    copied = build(elsewhere, make_key(component="clip"), payload=b"copied")
+    shutil.copytree(elsewhere.root / copied.name, cache.root / copied.name)
+
+    assert cache.list() == sorted([here, copied], key=lambda r: r.name)
+    cache.verify(cache.get(copied.key), arch="sm86", backend_version="1.20.0")  # type: ignore[arg-type]
+    assert sorted(json.loads((cache.root / INDEX_FILE).read_text())["engines"]) == sorted(
+        [here.name, copied.name]
+    )
+
+
+def test_folder_with_missing_or_corrupt_meta_is_reported_not_listed_not_deleted(
+    cache: EngineCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = build(cache, make_key())
+    corrupt = build(cache, make_key(component="clip"))
+    no_meta = build(cache, make_key(component="vae_decoder"))
+    (cache.root / corrupt.name / META_FILE).write_text('{"key": ')
+    (cache.root / no_meta.name / META_FILE).unlink()
+    (cache.root / INDEX_FILE).unlink()
+
+    with caplog.at_level(logging.WARNING, logger=store.__name__):
+        assert cache.list() == [good]
+    broken = {b.name: b.reason for b in cache.broken()}
+    assert sorted(broken) == sorted([corrupt.name, no_meta.name])
+    assert "unreadable" in broken[corrupt.name] and "no meta.json" in broken[no_meta.name]
+    assert corrupt.name in caplog.text and no_meta.name in caplog.text
+
+    assert [r.name for r in cache.prune(max_bytes=0)] == [good.name]
+    assert (cache.root / corrupt.name / "model.onnx").exists()
+    assert (cache.root / no_meta.name / "model.onnx").exists()
+
+    rebuilt = build(cache, corrupt.key)  # building that key replaces the broken folder
+    assert cache.list() == [rebuilt] and [b.name for b in cache.broken()] == [no_meta.name]
+    assert cache.delete(no_meta.name) is True
+    assert cache.broken() == [] and not (cache.root / no_meta.name).exists()
+
+
+def test_other_modules_folders_are_never_touched(cache: EngineCache) -> None:
+    record = build(cache, make_key())
+    onnx_file = cache.root / "onnx" / "unet" / "model.onnx"
+    onnx_file.parent.mkdir(parents=True)
+    onnx_file.write_bytes(b"graph")
+    (cache.root / "onnx" / META_FILE).write_text("{}")
+    (cache.root / "notes").mkdir()
+    (cache.root / "README.txt").write_text("mine")
+
+    assert cache.list() == [record] and cache.broken() == []
+    assert cache.total_size() == record.size_bytes
+    assert cache.prune(max_bytes=0, older_than_s=0) == [record]
+    assert onnx_file.read_bytes() == b"graph" and (cache.root / "notes").is_dir()
+    assert (cache.root / "README.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="not an engine"):
+        cache.delete("onnx")
+    assert onnx_file.exists()
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def test_flipped_bytes_fail_the_checksum(cache: EngineCache) -> None:
+    record = build(cache, make_key())
+    path = cache.root / record.name / "data" / "weights.bin"
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="checksum") as info:
+        cache.verify(record, arch="sm86", backend_version="1.20.0")
+    assert "corrupt" in str(info.value) and "Delete" in str(info.value)
+
+
+def test_truncated_and_missing_files_fail_verify(cache: EngineCache) -> None:
+    record = build(cache, make_key())
+    folder = cache.root / record.name
+    with open(folder / "model.onnx", "r+b") as fh:
+        fh.truncate(3)
+    with pytest.raises(EngineError, match="truncated"):
+        cache.verify(record, arch="sm86", backend_version="1.20.0")
+    (folder / "model.onnx").unlink()
+    with pytest.raises(EngineError, match="model.onnx missing"):
+        cache.verify(record, arch="sm86", backend_version="1.20.0")
+
+
+def test_foreign_arch_and_backend_version_fail_verify_naming_both(cache: EngineCache) -> None:
+    record = build(cache, make_key(arch="sm86", backend_version="10.5.0"))
+    with pytest.raises(EngineError) as info:
+        cache.verify(record, arch="sm89", backend_version="10.5.0")
+    assert "built for sm86" in str(info.value) and "this device is sm89" in str(info.value)
+    assert "rebuild it" in str(info.value)
+    with pytest.raises(EngineError) as info:
+        cache.verify(record, arch="sm86", backend_version="11.0.1")
+    assert "10.5.0" in str(info.value) and "11.0.1" in str(info.value)
+    with pytest.raises(EngineError) as info:
+        cache.verify(record, arch="sm89", backend_version="11.0.1")
+    assert all(s in str(info.value) for s in ("sm86", "sm89", "10.5.0", "11.0.1"))
+    cache.verify(record, arch="sm86", backend_version="10.5.0")
+
+
+def test_mark_bad_persists_and_fails_verify(cache: EngineCache) -> None:
+    key = make_key()
+    build(cache, key)
+    marked = cache.mark_bad(key, "NaN in output at 1024x1024")
+    assert marked is not None and marked.status == "bad"
+    (cache.root / INDEX_FILE).unlink()  # the status lives in meta.json, not only in the index
+    record = cache.get(key)
+    assert record is not None and record.status == "bad" and record.bad_reason == "NaN in output at 1024x1024"
+    with pytest.raises(EngineError, match="marked bad: NaN in output"):
+        cache.verify(record, arch="sm86", backend_version="1.20.0")
+    assert cache.mark_bad(make_key(component="clip"), "absent") is None
+
+
+def test_touch_updates_last_used_in_meta_and_index(cache: EngineCache) -> None:
+    key = make_key()
+    record = build(cache, key)
+    time.sleep(0.02)
+    cache.touch(key)
+    touched = cache.get(key)
+    assert touched is not None and touched.last_used > record.last_used
+    assert json.loads((cache.root / key.name / META_FILE).read_text())["last_used"] == touched.last_used
+    cache.touch(make_key(component="clip"))  # absent: nothing happens
+    assert cache.list() == [touched]
+
+
+# --------------------------------------------------------------------------- locks, failures
+
+BUILDER = r"""
+import json, sys, time
+from pathlib import Path
+from sd_accel.cache.key import EngineKey
+from sd_accel.cache.store import EngineCache
+
+root, me, key = Path(sys.argv[1]), sys.argv[2], EngineKey.from_dict(json.loads(sys.argv[3]))
+cache = EngineCache(root)
+(root.parent / f"ready-{me}").touch()
+while len(list(root.parent.glob("ready-*"))) < 2:  # start both builds at the same moment
+    time.sleep(0.005)
+out = {"me": me, "t_call": time.time()}
+with cache.build_slot(key, timeout=60) as slot:
+    out["t_got"] = time.time()
+    out["built"] = slot is not None
+    if slot is not None:
+        (slot.dir / "engine.bin").write_bytes(me.encode() * 1000)
+        time.sleep(1.0)
+        slot.commit(["engine.bin"], {"x": ((1,), (1,), (2,))}, build_seconds=1.0)
+        out["t_commit"] = time.time()
+print(json.dumps(out))
+"""
+
+
+def test_two_processes_building_one_key_build_it_once(cache: EngineCache) -> None:
+    key = make_key()
+    cache.root.mkdir(parents=True)
+    procs = [run_python(BUILDER, str(cache.root), me, json.dumps(key.to_dict())) for me in ("a", "b")]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=90)
+        assert proc.returncode == 0, stderr
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+
+    builders = [r for r in results if r["built"]]
+    waiters = [r for r in results if not r["built"]]
+    assert len(builders) == 1 and len(waiters) == 1
+    builder, waiter = builders[0], waiters[0]
+    assert waiter["t_call"] < builder["t_commit"] <= waiter["t_got"]  # it waited for the build
+
+    records = cache.list()
+    assert [r.key for r in records] == [key]
+    assert (cache.root / key.name / "engine.bin").read_bytes() == builder["me"].encode() * 1000
+    cache.verify(records[0], arch="sm86", backend_version="1.20.0")
+    assert leftovers(cache) == [] and lock_is_free(cache, key)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("builder crashed"), KeyboardInterrupt()])
+def test_interrupted_build_leaves_no_temp_and_no_lock(cache: EngineCache, error: BaseException) -> None:
+    key = make_key()
+    with pytest.raises(type(error)), cache.build_slot(key) as slot:
+        assert slot is not None
+        (slot.dir / "model.onnx").write_bytes(b"half an engine")
+        raise error
+    assert leftovers(cache) == [] and cache.list() == [] and not (cache.root / key.name).exists()
+    assert lock_is_free(cache, key)
+    build(cache, key)  # timeout=0: the next build proceeds at once
+    assert [r.key for r in cache.list()] == [key]
+
+
+def test_build_ended_without_commit_stores_nothing(cache: EngineCache) -> None:
+    key = make_key()
+    with cache.build_slot(key) as slot:
+        assert slot is not None
+        (slot.dir / "model.onnx").write_bytes(b"cancelled")
+    assert leftovers(cache) == [] and cache.list() == [] and lock_is_free(cache, key)
+    with pytest.raises(EngineError, match="closed"):
+        slot.commit(["model.onnx"], SHAPES, 0.1)
+
+
+def test_second_builder_in_one_process_times_out_with_a_clear_error(cache: EngineCache) -> None:
+    key = make_key()
+    with cache.build_slot(key) as slot:
+        assert slot is not None
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="another process"), cache.build_slot(key, timeout=0.3):
+            pass
+        assert 0.25 < time.monotonic() - started < 5
+        with pytest.raises(EngineError, match="being built or deleted"):
+            cache.delete(key, timeout=0)
+        (slot.dir / "model.onnx").write_bytes(b"x")
+        slot.commit(None, SHAPES, 0.1)
+    assert [r.key for r in cache.list()] == [key]
+
+
+KILLED = r"""
+import json, os, sys
+from sd_accel.cache.key import EngineKey
+from sd_accel.cache.store import EngineCache
+
+cache = EngineCache(sys.argv[1])
+with cache.build_slot(EngineKey.from_dict(json.loads(sys.argv[2]))) as slot:
+    (slot.dir / "model.onnx").write_bytes(b"half")
+    print(slot.dir.name, flush=True)
+    os._exit(9)  # killed: no clean-up runs
+"""
+
+
+def test_temp_folder_of_a_killed_build_is_cleaned_by_the_next_build(cache: EngineCache) -> None:
+    key = make_key()
+    proc = run_python(KILLED, str(cache.root), json.dumps(key.to_dict()))
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 9, stderr
+    stale = stdout.strip()
+    assert stale.startswith(f".tmp-{key.name}-") and leftovers(cache) == [stale]
+    assert cache.list() == [] and cache.broken() == []
+
+    record = build(cache, key)  # timeout=0: the dead process's lock is gone too
+    assert leftovers(cache) == [] and cache.list() == [record]
+
+
+def test_prune_removes_dead_temp_folders_of_other_keys_but_not_live_ones(cache: EngineCache) -> None:
+    dead, live = make_key(component="clip"), make_key()
+    cache.root.mkdir(parents=True)
+    (cache.root / f".tmp-{dead.name}-999999").mkdir()
+    (cache.root / f".tmp-{dead.name}-999999" / "x").write_bytes(b"x")
+    with cache.build_slot(live) as slot:
+        assert slot is not None
+        cache.prune()
+        assert leftovers(cache) == [slot.dir.name]
+    assert leftovers(cache) == []
+
+
+def test_disk_full_while_writing_raises_clearly_and_keeps_the_cache(cache: EngineCache) -> None:
+    key = make_key()
+    old = build(cache, key)
+    with pytest.raises(EngineError, match="disk is full") as info, cache.build_slot(key, force=True) as slot:
+        assert slot is not None
+        (slot.dir / "model.onnx").write_bytes(b"x" * 5000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    message = str(info.value)
+    assert "5.0 KB" in message and "Nothing was stored" in message and "SD_ACCEL_ENGINE_DIR" in message
+    assert isinstance(info.value.__cause__, OSError)
+    assert cache.list() == [old] and leftovers(cache) == [] and lock_is_free(cache, key)
+    cache.verify(old, arch="sm86", backend_version="1.20.0")
+
+
+def test_disk_full_writing_meta_keeps_the_old_engine(
+    cache: EngineCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = make_key()
+    old = build(cache, key)
+    real_write = store._write_json_atomic
+
+    def full_disk_for_meta(path: Path, data: object) -> None:
+        if path.name == META_FILE:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(store, "_write_json_atomic", full_disk_for_meta)
+    with pytest.raises(EngineError, match="disk is full"), cache.build_slot(key, force=True) as slot:
+        assert slot is not None
+        (slot.dir / "model.onnx").write_bytes(b"new engine")
+        slot.commit(None, SHAPES, 0.1)
+    monkeypatch.undo()
+    assert cache.list() == [old] and leftovers(cache) == [] and lock_is_free(cache, key)
+    cache.verify(old, arch="sm86", backend_version="1.20.0")
+    assert (cache.root / key.name / "model.onnx").read_bytes() == b"engine-bytes"
+
+
+def test_known_need_is_checked_against_free_space_before_building(cache: EngineCache) -> None:
+    cache.root.mkdir(parents=True)
+    need = shutil.disk_usage(cache.root).free * 10
+    with (
+        pytest.raises(EngineError, match="Not enough disk space") as info,
+        cache.build_slot(make_key(), need_bytes=need),
+    ):
+        pass
+    assert store.format_size(need) in str(info.value)
+    assert leftovers(cache) == [] and lock_is_free(cache, make_key())
+
+
+# --------------------------------------------------------------------------- prune, delete
+
+
+def test_prune_by_size_removes_least_recently_used_first(cache: EngineCache) -> None:
+    keys = [make_key(component=c) for c in ("unet", "clip", "vae_decoder")]
+    sizes = {
+        k: build(cache, k, payload=b"x" * n).size_bytes for k, n in zip(keys, (100, 200, 300), strict=True)
+    }
+    for key in (keys[1], keys[0], keys[2]):  # least recently used: clip, then unet, then vae
+        time.sleep(0.02)
+        cache.touch(key)
+
+    assert cache.prune(max_bytes=cache.total_size()) == []
+    removed = cache.prune(max_bytes=sizes[keys[0]] + sizes[keys[2]])
+    assert [r.key for r in removed] == [keys[1]]
+    assert [r.key for r in cache.list()] == sorted([keys[0], keys[2]], key=lambda k: k.name)
+    removed = cache.prune(max_bytes=sizes[keys[2]] + 1)
+    assert [r.key for r in removed] == [keys[0]]
+    assert cache.total_size() == sizes[keys[2]] and not (cache.root / keys[0].name).exists()
+    assert cache.prune(max_bytes=0)[0].key == keys[2] and cache.list() == []
+    with pytest.raises(ValueError):
+        cache.prune(max_bytes=-1)
+
+
+def test_prune_by_age(cache: EngineCache) -> None:
+    old = build(cache, make_key(component="clip"))
+    time.sleep(0.05)
+    new = build(cache, make_key())
+    gap = new.last_used - old.last_used
+    now = new.last_used + 100
+
+    assert cache.prune(older_than_s=100 + gap + 1, now=now) == []
+    assert cache.prune(older_than_s=100 + gap / 2, now=now) == [old]
+    assert cache.list() == [new]
+
+
+def test_delete_by_name_and_by_key(cache: EngineCache) -> None:
+    by_name = build(cache, make_key())
+    by_key = build(cache, make_key(component="clip"))
+    kept = build(cache, make_key(component="vae_decoder"))
+
+    assert cache.delete(by_name.name) is True
+    assert cache.delete(by_key.key) is True
+    assert cache.delete(by_key.key) is False
+    assert cache.list() == [kept] and leftovers(cache) == []
+    assert list(json.loads((cache.root / INDEX_FILE).read_text())["engines"]) == [kept.name]
+    assert not (cache.root / by_name.name).exists() and not (cache.root / by_key.name).exists()
+    for bad_name in ("../etc", "onnx", ".locks", ""):
+        with pytest.raises(ValueError):
+            cache.delete(bad_name)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def test_default_engine_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SD_ACCEL_ENGINE_DIR", str(tmp_path / "from-env"))
+    assert default_engine_dir() == tmp_path / "from-env"
+    assert EngineCache().root == tmp_path / "from-env"
+    monkeypatch.delenv("SD_ACCEL_ENGINE_DIR")
+    monkeypatch.chdir(tmp_path)
+    assert default_engine_dir() == tmp_path / "engines"
+    assert EngineCache().root == tmp_path / "engines"
+    assert EngineCache("rel").root == tmp_path / "rel"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("20GB", 20_000_000_000),
+        ("20gb", 20_000_000_000),
+        ("1.5 TB", 1_500_000_000_000),
+        ("500MB", 500_000_000),
+        ("10KB", 10_000),
+        ("2KiB", 2048),
+        ("1GiB", 1 << 30),
+        ("7B", 7),
+        ("4096", 4096),
+        ("3G", 3_000_000_000),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("30d", 30 * 86400.0),
+        ("2w", 14 * 86400.0),
+        ("12h", 43200.0),
+        ("15m", 900.0),
+        ("90s", 90.0),
+        ("1.5h", 5400.0),
+        ("45", 45.0),
+    ],
+)
+def test_parse_age(text: str, expected: float) -> None:
+    assert parse_age(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GB", "20 parsecs", "-5GB", "1e3", "twenty"])
+def test_parse_size_rejects_nonsense(text: str) -> None:
+    with pytest.raises(ValueError, match="Cannot read size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["", "d", "3 months", "-1d", "5y"])
+def test_parse_age_rejects_nonsense(text: str) -> None:
+    with pytest.raises(ValueError, match="Cannot read age"):
+        parse_age(text)
+
+
+def test_record_round_trips_through_json() -> None:
+    record = EngineRecord(
+        make_key(), ["a.plan"], SHAPES, "sha256:00", 10, 1.0, 2.0, 3.0, VALIDATION, "ok", None, {"k": [1]}
+    )
+    assert EngineRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    for bad in ({}, {**record.to_dict(), "status": "maybe"}, {**record.to_dict(), "files": ["../x"]}):
+        with pytest.raises(ValueError, match="not an engine record"):
+            EngineRecord.from_dict(bad)

@@ -1,0 +1,231 @@
+"""The panel's logic without a browser (``sd_accel.ui.state``), plus the Blocks it builds.
+
+One build of the tiny SD 1.5 model (clip, unet, vae_decoder at 64x64) serves most tests."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from sd_accel.profiles import PRESETS, Profile
+from sd_accel.ui.state import (
+    BuildRequest,
+    Busy,
+    GenerateRequest,
+    PanelState,
+    disk_usage,
+    engine_names,
+    engine_rows,
+    parse_range,
+    preset_fields,
+    profile_from_fields,
+    profile_from_tag,
+    usage_text,
+)
+
+STATIC_64 = Profile(batch=1, height=64, width=64)
+COMPONENTS = ("clip", "clip2", "unet", "vae_decoder")  # clip2 is not in SD 1.5: skipped, and said so
+
+
+def _drain(updates) -> list:
+    out = list(updates)
+    assert out and out[-1].done and all(not u.done for u in out[:-1])
+    return out
+
+
+def _tiny_request(**kw) -> GenerateRequest:
+    # Euler: one UNet call per step, so call counts are exact.
+    return GenerateRequest(prompt="a cat", width=64, height=64, steps=2, sampler="Euler", **kw)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A state whose engine dir holds the three 64x64 engines, and the updates of that build."""
+    state = PanelState(engine_dir=str(tmp_path_factory.mktemp("ui-engines")))
+    updates = _drain(state.build(BuildRequest(profile=STATIC_64, components=COMPONENTS)))
+    return state, updates
+
+
+# --------------------------------------------------------------------------- fields and profiles
+
+
+def test_range_fields_parse_and_teach():
+    assert parse_range("batch", "2") == (2, 2, 2)
+    assert parse_range("height", "256, 512, 768") == (256, 512, 768)
+    assert parse_range("height", "256/512/768") == (256, 512, 768)
+    with pytest.raises(ValueError, match="min, opt, max"):
+        parse_range("width", "256, 512")
+    with pytest.raises(ValueError, match="min, opt, max"):
+        parse_range("width", "big")
+    assert profile_from_fields("1", "64", "64", "77") == STATIC_64
+    with pytest.raises(ValueError, match="multiples of 8"):
+        profile_from_fields("1", "60", "64", "77")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_fields_and_tags_round_trip(name):
+    assert profile_from_fields(*preset_fields(name)) == PRESETS[name]
+    assert profile_from_tag(PRESETS[name].tag).tag == PRESETS[name].tag
+
+
+def test_profile_from_tag_of_a_dynamic_profile():
+    p = Profile(batch=(1, 1, 2), height=(64, 64, 136), width=(64, 72, 136), tokens=(77, 77, 154))
+    assert profile_from_tag(p.tag) == p
+    with pytest.raises(ValueError):
+        profile_from_tag("b1.h64")
+
+
+def test_settings_validate_and_map_to_builds(tmp_path):
+    state = PanelState()
+    with pytest.raises(ValueError, match="backend"):
+        state.apply_settings(str(tmp_path), "cuda", "auto")
+    assert "Saved" in state.apply_settings(str(tmp_path), "onnxruntime", "bf16")
+    assert state.cache().root == tmp_path and state.backend == "onnxruntime"
+    assert state.build_precision() == "auto"  # bf16 is a torch precision, not an engine one
+    assert state.build_precision("fp16") == "fp16"
+    state.apply_settings("  ", "auto", "fp32")
+    assert state.engine_dir is None and state.build_precision() == "fp32"
+
+
+def test_usage_text_names_engine_or_torch_per_component():
+    before = {"unet": {"engine_calls": 5, "torch_calls": 0, "fallbacks": {}}}
+    after = {
+        "unet": {"engine_calls": 7, "torch_calls": 1, "fallbacks": {"no engine covers x": 1}},
+        "vae_decoder": {"engine_calls": 1, "torch_calls": 0, "fallbacks": {}},
+        "vae_encoder": {"engine_calls": 0, "torch_calls": 0, "fallbacks": {}},
+    }
+    usage = usage_text(before, after, {"clip": 0, "unet": 1, "vae_decoder": 1, "vae_encoder": 0}, True)
+    assert usage == {
+        "clip": "torch (no engine for this model; build one in the Engines tab)",
+        "unet": "engine (2 calls) + torch (1 call: no engine covers x)",
+        "vae_decoder": "engine (1 call)",
+        "vae_encoder": "not called",
+    }
+    assert usage_text({}, {}, {}, False) == {"all": "torch (engines off)"}
+
+
+# --------------------------------------------------------------------------- build, table, generate
+
+
+def test_build_reports_progress_and_fills_the_table(built):
+    state, updates = built
+    final = updates[-1]
+    assert final.ok and "Done" in final.text and "clip2" in final.text
+    assert len(final.records) == 3
+    fractions = [u.fraction for u in updates[:-1]]
+    assert fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
+    assert any("Engine 2 of 3" in u.text and "unet" in u.text for u in updates)
+    rows = engine_rows(state.cache())
+    assert sorted(r[0] for r in rows) == ["clip", "unet", "vae_decoder"]
+    for row in rows:
+        assert row[1] == "static.b1.h64.w64.t77" and row[2] == "fp32" and row[3].startswith("onnxruntime")
+        assert row[6] == "ok" and float(row[5]) < 1e-3 and row[4].endswith("B")
+    assert disk_usage(state.cache()).startswith("3 engines, ")
+    assert not state.building
+
+
+def test_generation_report_names_engine_or_torch(built):
+    state, _ = built
+    out = state.generate(_tiny_request())
+    assert len(out.images) == 1 and out.images[0].size == (64, 64)
+    assert out.usage["unet"] == "engine (2 calls)"
+    assert out.usage["clip"] == "engine (2 calls)" and out.usage["vae_decoder"] == "engine (1 call)"
+    report = out.report()
+    assert "it/s" in report and "| unet | engine (2 calls) |" in report
+    # 72 px wide: no engine covers it, so torch runs, and the report says why.
+    wide = state.generate(GenerateRequest(prompt="a cat", width=72, height=64, steps=2, sampler="Euler"))
+    assert wide.usage["unet"].startswith("torch (2 calls: no engine covers")
+    off = state.generate(_tiny_request(engines=False))
+    assert off.usage == {"all": "torch (engines off)"} and "torch" in off.report()
+
+
+def test_delete_removes_the_engine_and_generation_sees_it(built):
+    state, _ = built
+    state.generate(_tiny_request())  # a cached engine-backed pipeline, swapped before the delete
+    unet = next(n for n in engine_names(state.cache()) if n.startswith("unet."))
+    assert state.delete(unet).startswith("Deleted")
+    assert unet not in engine_names(state.cache()) and len(engine_rows(state.cache())) == 2
+    assert "No engine named" in state.delete(unet)
+    assert "Pick an engine" in state.delete("")
+    out = state.generate(_tiny_request())
+    assert out.usage["unet"].startswith("torch (no engine")
+    assert out.usage["clip"] == "engine (2 calls)"
+
+
+def test_rebuild_replaces_the_engine_of_the_same_model_only(built):
+    state, _ = built
+    name = next(n for n in engine_names(state.cache()) if n.startswith("vae_decoder."))
+    old = next(r for r in state.cache().list() if r.name == name)
+    updates = _drain(state.rebuild(name, "builtin:tiny-sd15"))
+    assert updates[-1].ok, updates[-1].text
+    new = next(r for r in state.cache().list() if r.name == name)
+    assert new.created > old.created
+    other = _drain(state.rebuild(name, "builtin:tiny-sdxl"))
+    assert not other[-1].ok and "another model" in other[-1].text
+    assert name in engine_names(state.cache())  # refused before anything was deleted
+    assert not _drain(state.rebuild("nope", "builtin:tiny-sd15"))[-1].ok
+
+
+def test_cancel_leaves_nothing(tmp_path):
+    state = PanelState(engine_dir=str(tmp_path))
+    assert state.cancel_build() == "No build is running."
+    updates = []
+    for update in state.build(BuildRequest(profile=STATIC_64, components=("unet", "vae_decoder"))):
+        updates.append(update)
+        if "Engine 1 of 2" in update.text and not state._cancel.is_set():
+            assert state.cancel_build().startswith("Cancelling")
+    assert updates[-1].done and not updates[-1].ok and "Cancelled" in updates[-1].text
+    assert state.cache().list() == []
+    assert not [p.name for p in Path(tmp_path).iterdir() if p.name.startswith(".tmp-")]
+    assert not state.building
+    assert state._lock.acquire(blocking=False)  # released for the next build
+    state._lock.release()
+
+
+def test_one_job_at_a_time(tmp_path):
+    state = PanelState(engine_dir=str(tmp_path))
+    with state._lock:  # as if a generation ran: a build is refused at once, not queued
+        updates = _drain(state.build(BuildRequest(profile=STATIC_64)))
+    assert not updates[-1].ok and "Another build" in updates[-1].text
+    state._cancel = threading.Event()  # as if a build ran
+    with pytest.raises(Busy, match="being built"):
+        state.generate(_tiny_request())
+
+
+def test_a_bad_build_request_is_reported_not_raised(tmp_path):
+    state = PanelState(engine_dir=str(tmp_path))
+    updates = _drain(state.build(BuildRequest(profile=STATIC_64, components=())))
+    assert not updates[-1].ok and "at least one component" in updates[-1].text
+    assert not state.building
+
+
+# --------------------------------------------------------------------------- the Blocks
+
+
+def test_panel_and_app_build_with_their_ids(tmp_path):
+    import gradio as gr
+
+    from sd_accel.ui import build_panel, create_app
+
+    demo = build_panel(PanelState(engine_dir=str(tmp_path)))
+    assert isinstance(demo, gr.Blocks)
+    ids = {getattr(b, "elem_id", None) for b in demo.blocks.values()}
+    for wanted in ("sd-accel-generate", "sd-accel-gallery", "sd-accel-report", "sd-accel-build",
+                   "sd-accel-cancel", "sd-accel-build-progress", "sd-accel-engines", "sd-accel-delete",
+                   "sd-accel-rebuild", "sd-accel-refresh", "sd-accel-engine-dir", "sd-accel-components"):
+        assert wanted in ids, wanted
+    app = create_app(engine_dir=str(tmp_path))
+    assert isinstance(app, gr.Blocks)
+
+
+def test_launch_listens_locally_unless_asked(tmp_path, monkeypatch):
+    from sd_accel.ui import app as app_module
+
+    seen = {}
+    monkeypatch.setattr(app_module.gr.Blocks, "launch", lambda self, **kw: seen.update(kw))
+    app_module.launch(port=7999, engine_dir=str(tmp_path))
+    assert seen["server_name"] == "127.0.0.1" and seen["server_port"] == 7999 and not seen["share"]
+    app_module.launch(listen=True, engine_dir=str(tmp_path), block=False)
+    assert seen["server_name"] == "0.0.0.0" and seen["prevent_thread_lock"]

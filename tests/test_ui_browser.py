@@ -1,0 +1,186 @@
+"""The standalone app in a real browser (Debian's chromium via Playwright): build engines for the
+tiny model, generate on them, delete one. Screenshots of each tab go to ``test-artifacts/``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+BUILD_TIMEOUT_MS = 120_000  # three tiny engines take 10-20 s here; slow CI machines get headroom
+STEP_TIMEOUT_MS = 30_000
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the app exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the app did not answer on {url} within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """The app in a subprocess on a free local port, with its own empty engine dir; killed after."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium package (apt-get install chromium)")
+    ARTIFACTS.mkdir(exist_ok=True)
+    engine_dir = tmp_path_factory.mktemp("ui-engines")
+    port = _free_port()
+    log = ARTIFACTS / "ui-server.log"
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "SD_ACCEL_ENGINE_DIR": str(engine_dir)}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sd_accel.ui.app", "--port", str(port), "--engine-dir", str(engine_dir)],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        _wait_until_up(url, proc, log)
+        yield url, engine_dir
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def page(app):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+            pg.set_default_timeout(STEP_TIMEOUT_MS)
+            pg.goto(app[0])
+            pg.wait_for_selector("#sd-accel-generate")
+            yield pg
+        finally:
+            browser.close()
+
+
+# The helpers below find widgets on Gradio 6 (the dev venv) and, as a portability check, on
+# 3.41 too: there tabs are plain buttons, rows plain <tr>s and dropdown options <li>s.
+
+
+def _tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name).or_(page.locator(".tab-nav button", has_text=name)).first.click()
+
+
+def _set_slider(page, elem_id: str, value: int) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+# The table's data rows. Gradio 6 draws a virtual grid (role=row holding role=gridcell cells);
+# 3.41 and 4.x draw <tr>s, and 4.x first draws a hidden sizing table, so take the last table.
+_ROWS_JS = """(root) => {
+  let rows = [...root.querySelectorAll('[role=row]')].filter(r => r.querySelector('[role=gridcell]'));
+  if (!rows.length) {
+    const tables = [...root.querySelectorAll('table')].filter(t => t.querySelector('tbody tr'));
+    rows = tables.length ? [...tables[tables.length - 1].querySelectorAll('tbody tr')] : [];
+  }
+  return rows.map(r => r.innerText);
+}"""
+
+
+def _engine_rows(page, expected: int) -> list[str]:
+    """The table's data rows as text, polled until there are ``expected`` of them."""
+    deadline = time.monotonic() + STEP_TIMEOUT_MS / 1000
+    while True:
+        texts = [" ".join(t.split()) for t in page.locator("#sd-accel-engines").first.evaluate(_ROWS_JS)]
+        texts = [t for t in texts if t]
+        if len(texts) == expected or time.monotonic() > deadline:
+            assert len(texts) == expected, texts
+            return texts
+        time.sleep(0.25)
+
+
+def _shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / name), full_page=True)
+
+
+def test_build_generate_delete_in_browser(app, page):
+    from playwright.sync_api import expect
+
+    progress = page.locator("#sd-accel-build-progress").first
+    _tab(page, "Engines")
+    expect(page.locator("#sd-accel-disk").first).to_contain_text("0 engines")
+    page.locator("#sd-accel-range-height textarea, #sd-accel-range-height input").first.fill("64")
+    page.locator("#sd-accel-range-width textarea, #sd-accel-range-width input").first.fill("64")
+
+    # Cancel while it runs: the Cancel event must get through while the build holds the queue.
+    page.locator("#sd-accel-build").click()
+    expect(progress).to_contain_text("Engine 1 of 3", timeout=BUILD_TIMEOUT_MS)
+    page.locator("#sd-accel-cancel").click()
+    expect(progress).to_contain_text("Cancelled", timeout=BUILD_TIMEOUT_MS)
+    expect(page.locator("#sd-accel-disk").first).to_contain_text("0 engines")
+
+    # The real build: live progress (a percentage) first, then the table fills.
+    page.locator("#sd-accel-build").click()
+    expect(progress).to_contain_text("%", timeout=BUILD_TIMEOUT_MS)
+    expect(progress).to_contain_text("Done", timeout=BUILD_TIMEOUT_MS)
+    expect(progress).to_contain_text("clip2")  # ticked, but SD 1.5 has none: said so
+    expect(page.locator("#sd-accel-disk").first).to_contain_text("3 engines")
+    rows = _engine_rows(page, 3)
+    assert sorted(r.split()[0] for r in rows) == ["clip", "unet", "vae_decoder"], rows
+    assert all("static.b1.h64.w64.t77" in r for r in rows), rows
+    _shot(page, "ui-engines.png")
+
+    _tab(page, "Generate")
+    _set_slider(page, "sd-accel-width", 64)
+    _set_slider(page, "sd-accel-height", 64)
+    _set_slider(page, "sd-accel-steps", 2)
+    page.locator("#sd-accel-generate").click()
+    report = page.locator("#sd-accel-report").first
+    expect(report).to_contain_text("it/s", timeout=BUILD_TIMEOUT_MS)
+    for component, calls in (("clip", 2), ("unet", 2), ("vae_decoder", 1)):
+        expect(report.locator("tr", has_text=component).first).to_contain_text(f"engine ({calls} call")
+    expect(page.locator("#sd-accel-gallery img").first).to_be_visible()
+    _shot(page, "ui-generate.png")
+
+    _tab(page, "Engines")
+    unet = next(r for r in rows if r.startswith("unet")).split()[-1]
+    page.locator("#sd-accel-engine-name input").click()
+    page.get_by_role("option", name=unet).or_(page.locator("#sd-accel-engine-name li", has_text=unet)).first.click()
+    page.locator("#sd-accel-delete").click()
+    expect(page.locator("#sd-accel-engine-action").first).to_contain_text("Deleted")
+    expect(page.locator("#sd-accel-disk").first).to_contain_text("2 engines")
+    rows = _engine_rows(page, 2)
+    assert sorted(r.split()[0] for r in rows) == ["clip", "vae_decoder"], rows
+    _shot(page, "ui-engines-after-delete.png")
+
+    _tab(page, "Settings")
+    engine_dir = page.locator("#sd-accel-engine-dir textarea, #sd-accel-engine-dir input").first
+    expect(engine_dir).to_have_value(str(app[1]))
+    _shot(page, "ui-settings.png")
