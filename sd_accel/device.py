@@ -24,19 +24,22 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_class() -> str:
-    """A key for CPU engines: ORT's optimized models bake in ISA-specific layouts (NCHWc blocks)."""
+    """A key for CPU engines, e.g. ``cpu-x86_64-avx512-vnni-bf16``: ORT's optimized models bake in
+    ISA-specific layouts (NCHWc blocks), and int8/bf16 kernels depend on VNNI/BF16/AMX."""
     machine = platform.machine().lower() or "cpu"
     flags = cpu_flags()
-    isa = "generic"
     if "avx512f" in flags:
-        isa = "avx512"
+        parts = ["avx512"]
     elif "avx2" in flags:
-        isa = "avx2"
+        parts = ["avx2"]
     elif "asimd" in flags or machine in ("arm64", "aarch64"):
-        isa = "neon"
-    if "amx_bf16" in flags:
-        isa += "-amx"
-    return f"cpu-{machine}-{isa}"
+        parts = ["neon"]
+    else:
+        parts = ["generic"]
+    for flag, tag in (("avx512_vnni", "vnni"), ("avx_vnni", "vnni"), ("avx512_bf16", "bf16"), ("amx_bf16", "amx")):
+        if flag in flags and tag not in parts:
+            parts.append(tag)
+    return "-".join(["cpu", machine, *parts])
 
 
 def gpu_arch(index: int = 0) -> str:

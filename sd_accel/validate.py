@@ -4,11 +4,11 @@ their opt shapes have produced NaN in the field)."""
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 
+from sd_accel.onnx.export import fp32_on
 from sd_accel.profiles import Profile
 
 TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 5e-2, "int8": 0.1}
@@ -24,21 +24,6 @@ class Validation:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@contextmanager
-def fp32_on(module: torch.nn.Module, device: str):
-    """Run ``module`` in fp32 on ``device`` for the block, then put it back as it was."""
-    param = next(module.parameters(), None)
-    dtype, old = (param.dtype, param.device) if param is not None else (torch.float32, torch.device("cpu"))
-    moved = dtype != torch.float32 or old != torch.device(device)
-    if moved:
-        module.to(device=device, dtype=torch.float32)
-    try:
-        yield module
-    finally:
-        if moved:
-            module.to(device=old, dtype=dtype)
 
 
 def _points(spec, profile: Profile) -> dict[str, dict[str, int]]:

@@ -148,3 +148,31 @@ def test_ctrl_c_during_build_leaves_no_partial_engine_or_lock(tmp_path):
     built = _json(sd_accel("build", "--static", "--height", "64", "--width", "64", "--engine-dir", str(engines),
                            "--json"))
     assert len(built["engines"]) == 4
+
+
+def test_ui_command_serves_the_app_on_localhost(tmp_path):
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "sd_accel.cli", "ui", "--port", str(port),
+                             "--engine-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ))
+    try:
+        deadline = time.time() + 120
+        body = None
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as resp:
+                    body = resp.read().decode("utf-8", "replace")
+                    break
+            except OSError:
+                time.sleep(1)
+        assert body is not None, proc.stdout.read() if proc.poll() is not None else "no answer"
+        assert "gradio" in body.lower()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

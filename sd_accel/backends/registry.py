@@ -22,7 +22,10 @@ def get_backend(name: str = "auto", cache_root: Path | None = None):
         if not info.usable:
             raise RuntimeError(f"backend='tensorrt' cannot run here: {info.why_not}")
         return backend
-    return OnnxRuntimeBackend()
+    import torch
+
+    # The CUDA provider is used when onnxruntime-gpu has it and torch sees a GPU; else the CPU.
+    return OnnxRuntimeBackend("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def default_precision(backend_name: str) -> str:

@@ -72,8 +72,8 @@ def plain_attention(module: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fp32_on_cpu(module: torch.nn.Module) -> Iterator[None]:
-    """``module`` in float32 on the CPU and in eval mode for the duration; dtypes, devices and
+def fp32_on(module: torch.nn.Module, device: str = "cpu") -> Iterator[None]:
+    """``module`` in float32 on ``device`` and in eval mode for the duration; dtypes, devices and
     training flag of every tensor restored after (a mixed-precision module stays mixed)."""
     if hasattr(module, "_hf_hook"):
         raise EngineError(
@@ -85,10 +85,13 @@ def fp32_on_cpu(module: torch.nn.Module) -> Iterator[None]:
         raise EngineError("the module's weights are on the meta device (sequential offload); export before offloading")
     # By name: module.to() may replace the tensor objects (overwrite_module_params_on_conversion).
     before = {name: (t.dtype, t.device) for name, t in tensors.items()}
-    moved = any(t.device.type != "cpu" or (t.is_floating_point() and t.dtype != torch.float32) for t in tensors.values())
+    target = torch.device(device)
+    moved = any(
+        t.device.type != target.type or (t.is_floating_point() and t.dtype != torch.float32) for t in tensors.values()
+    )
     training = module.training
     if moved:
-        module.to("cpu", torch.float32)
+        module.to(target, torch.float32)
     module.eval()
     try:
         yield
@@ -109,7 +112,7 @@ def _trace(spec: ComponentSpec, path: Path, opset: int) -> None:
     """Trace the spec's export module into ``path`` (the legacy exporter may scatter weights
     into many files next to it when they pass 2 GB; :func:`optimize_file` gathers them)."""
     module = spec.torch_module()
-    with plain_attention(module), fp32_on_cpu(module), torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+    with plain_attention(module), fp32_on(module), torch.no_grad(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         wrapper = spec.export_module().eval()
         feed = spec.sample_feed(spec.export_dims())
@@ -295,7 +298,7 @@ __all__ = [
     "artifact_dir",
     "ensure_onnx_artifact",
     "export_onnx",
-    "fp32_on_cpu",
+    "fp32_on",
     "onnx_artifact",
     "plain_attention",
     "validate_artifact",
