@@ -15,7 +15,6 @@ baked into the traced graph (the math is the same as the untiled path).
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKL
 
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.components.unet import UnsupportedComponent, export_latent_size, to_latent, vae_scale_factor
@@ -54,6 +53,8 @@ class _VaeSpec(ComponentSpec):
         vae = getattr(pipe, "vae", None)
         if vae is None:
             raise ValueError(f"the pipeline has no vae; the {self.name!r} component does not apply")
+        from diffusers import AutoencoderKL  # here: the WebUI path imports this module without diffusers
+
         if not isinstance(vae, AutoencoderKL):
             raise UnsupportedComponent(
                 f"the VAE is a {type(vae).__name__}; only AutoencoderKL VAEs are exported, this one runs in torch"

@@ -160,7 +160,7 @@ def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
 
 def _engines_tab(state: PanelState, model: gr.Textbox) -> dict[str, Any]:
     """Lay out the Engines tab and wire it; returns the components other tabs update."""
-    first = default_preset("sd15")
+    first = getattr(state, "default_preset", None) or default_preset("sd15")
     with gr.Row():
         with gr.Column(scale=3):
             preset = gr.Dropdown(list(PRESETS), value=first, label="Preset (fills the ranges below)",

@@ -1,0 +1,119 @@
+"""Forge: engines through the UNet patcher, before every sampling pass.
+
+Forge never calls A1111's ``sd_unet.current_unet`` (its sampler runs its own UNet through
+``forge_objects.unet``, a ``UnetPatcher``), so the SD-UNet list is not used there. Instead the
+always-on script's ``process_before_every_sampling`` (called before each pass: twice with hires
+fix) clones the patcher, adds an object patch that swaps ``diffusion_model`` for
+:class:`EngineDiffusionModel` during sampling, and assigns the clone back, the way Forge's own
+extensions patch the UNet. Forge's ``KModel.apply_model`` keeps doing the input/output scaling
+and calls our module exactly as it calls its UNet:
+``diffusion_model(x, t, context=..., control=..., transformer_options=..., y=...)``.
+
+Forge packs as many cond/uncond rows into one call as free memory allows, so the batch is not
+known in advance: :class:`~sd_accel.webui.runner.LdmEngines` cuts it into chunks the engines
+cover. The torch UNet stays registered inside the stand-in, so Forge's memory manager loads it
+as usual and a call no engine covers runs at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from sd_accel.webui import host
+from sd_accel.webui.controller import Controller, controller
+from sd_accel.webui.identity import checkpoint_hash, describe, forge_loras, weights_id
+from sd_accel.webui.runner import LdmEngines
+
+log = logging.getLogger("sd_accel")
+
+OBJECT_PATCH = "diffusion_model"
+
+
+class EngineDiffusionModel(torch.nn.Module):
+    """Forge's ``diffusion_model`` during sampling: engines where they cover, torch elsewhere."""
+
+    def __init__(self, torch_unet: torch.nn.Module, engines: LdmEngines) -> None:
+        super().__init__()
+        self.torch_unet = torch_unet
+        self.engines = engines
+
+    def __getattr__(self, name: str) -> Any:
+        # Forge and other extensions read attributes of the UNet (dtype, model_channels ...).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "torch_unet" not in modules:
+                raise
+            return getattr(modules["torch_unet"], name)
+
+    def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options=None, **kwargs):
+        options = transformer_options if transformer_options is not None else {}
+        reason = _torch_reason(control, options, kwargs)
+
+        def torch_part(part: slice | None) -> torch.Tensor:
+            if part is None:
+                return self.torch_unet(x, timesteps, context=context, y=y, control=control,
+                                       transformer_options=options, **kwargs)
+            return self.torch_unet(x[part], timesteps[part], context=context[part],
+                                   y=None if y is None else y[part], control=control,
+                                   transformer_options=options, **kwargs)
+
+        if reason is not None:
+            self.engines.torch_call(reason)
+            return torch_part(None)
+        return self.engines(x, timesteps, context, y, torch_part)
+
+
+def _torch_reason(control, options: dict, kwargs: dict) -> str | None:
+    if control is not None:
+        return "ControlNet residuals (control=...) are not in the engine"
+    patches = [k for k in ("patches", "patches_replace") if options.get(k)]
+    if patches:
+        names = sorted({n for k in patches for n in options[k]})
+        return f"UNet patches from other extensions ({', '.join(names)}) are not in the engine"
+    extra = sorted(k for k, v in kwargs.items() if v is not None)
+    if extra:
+        return f"arguments the engine was not built for: {', '.join(extra)}"
+    return None
+
+
+def patch_for_sampling(p, ctl: Controller | None = None) -> bool:
+    """Swap engines into ``p.sd_model``'s UNet for the coming sampling pass; True when done.
+
+    Called from ``process_before_every_sampling``. A job whose weights have no engines, or
+    that uses what an engine cannot carry, is left to Forge's UNet and the console says why.
+    """
+    ctl = ctl or controller()
+    if not ctl.forge_enabled():
+        return False
+    patcher = host.forge_unet_patcher(p.sd_model)
+    if patcher is None:
+        return False
+    if ctl.job.torch_only:
+        ctl.note(f"this job runs the UNet in PyTorch: {ctl.job.torch_only}")
+        return False
+    ckpt = checkpoint_hash(host.checkpoint_info(p.sd_model))
+    if ckpt is None:
+        return False
+    loras = forge_loras(patcher)
+    wid = weights_id(ckpt, loras)
+    engines, reason = ctl.engines_or_reason(wid)
+    if reason is not None:
+        ctl.note(f"the UNet runs in PyTorch: {reason}")
+        return False
+    if engines is None:
+        if ctl.records_for_checkpoint(ckpt):  # engines exist, just not for these LoRAs
+            ctl.note(f"no engine for this checkpoint with {describe(loras)}; the UNet runs in PyTorch "
+                     "(build one in the sd-accel tab)")
+        return False
+    unet = patcher.clone()
+    torch_unet = unet.model.diffusion_model
+    torch_unet = getattr(torch_unet, "torch_unet", torch_unet)  # a pass before left ours in place
+    unet.add_object_patch(OBJECT_PATCH, EngineDiffusionModel(torch_unet, engines))
+    p.sd_model.forge_objects.unet = unet
+    ctl.job.used.add(wid)
+    return True

@@ -1,0 +1,39 @@
+"""sd-accel's section of the WebUI's settings page (``script_callbacks.on_ui_settings``)."""
+
+from __future__ import annotations
+
+from sd_accel.config import BACKENDS
+from sd_accel.profiles import PRESETS
+from sd_accel.webui import host
+from sd_accel.webui.controller import (
+    AUTO_PRESET,
+    OPT_BACKEND,
+    OPT_ENGINE_DIR,
+    OPT_FALLBACK,
+    OPT_FORGE,
+    OPT_PRESET,
+)
+
+SECTION = ("sd_accel", "sd-accel")
+
+
+def on_ui_settings() -> None:
+    """Register the options with ``shared.opts.add_option(key, shared.OptionInfo(...))``."""
+    import gradio as gr
+
+    shared = host.shared()
+    info = shared.OptionInfo
+    options = [
+        (OPT_ENGINE_DIR, info("", f"Engine directory (empty: {host.default_engine_dir()})", section=SECTION)),
+        (OPT_FALLBACK, info(True, "Run the PyTorch UNet for calls no engine covers (off: such a call "
+                                  "stops the job with the reason)", section=SECTION)),
+        (OPT_PRESET, info(AUTO_PRESET, "Default engine preset (tab and API)", gr.Dropdown,
+                          {"choices": [AUTO_PRESET, *PRESETS]}, section=SECTION)),
+        (OPT_BACKEND, info("auto", "Engine backend (auto: TensorRT on NVIDIA GPUs where it imports, "
+                                   "else ONNX Runtime)", gr.Dropdown, {"choices": list(BACKENDS)},
+                           section=SECTION)),
+    ]
+    if host.is_forge():
+        options.append((OPT_FORGE, info(True, "Use engines when sampling (Forge)", section=SECTION)))
+    for key, option in options:
+        shared.opts.add_option(key, option)

@@ -1,0 +1,367 @@
+"""The WebUI extension on AUTOMATIC1111 (the stand-in WebUI in ``tests/webui_stub``).
+
+One module-wide engine folder: the first test that needs engines builds them (tiny UNet, ONNX
+Runtime, one static and one dynamic profile); later tests reuse them from the cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STUB = Path(__file__).resolve().parent / "webui_stub"
+sys.path.insert(0, str(STUB))
+import harness  # noqa: E402  (the stand-in WebUI's driver, from the folder above)
+
+from sd_accel.profiles import Profile  # noqa: E402
+
+STATIC = Profile(batch=1, height=64, width=64)  # x (2, 4, 8, 8): cond and uncond batched
+DYNAMIC = Profile(batch=(1, 1, 2), height=(64, 64, 96), width=(64, 64, 96), tokens=(77, 77, 154))
+LONG_PROMPT = " ".join(["word"] * 100)  # 100 tokens: 154 context columns
+FALLBACK = "running torch for this call"
+
+
+@pytest.fixture(autouse=True)
+def _lean(monkeypatch):
+    monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")  # the machine's two cores are shared
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    yield
+    harness.purge()
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("webui-engines")
+
+
+def _built(webui) -> None:
+    """Static engine through the tab's Build (the panel), dynamic through the HTTP route."""
+    from sd_accel.ui.state import BuildRequest
+    from sd_accel.webui.tab import WEBUI_MODEL, WebUIPanelState
+
+    updates = list(WebUIPanelState().build(BuildRequest(profile=STATIC, model=WEBUI_MODEL)))
+    assert updates[-1].done and updates[-1].ok, updates[-1].text
+    response = webui.client().post("/sd-accel/build", json={"profile": DYNAMIC.to_dict()})
+    assert response.status_code == 200, response.text
+    webui.sd_unet.list_unets()
+
+
+def _counts(webui):
+    """(engine calls, torch calls) of the last job (the counters restart with each job)."""
+    from sd_accel.webui.controller import controller
+
+    engines = [e for e in controller()._engines.values() if e is not None]
+    return sum(e.stats.engine_calls for e in engines), sum(e.stats.torch_calls for e in engines)
+
+
+# --------------------------------------------------------------------------- install.py
+
+
+def _install_module():
+    spec = importlib.util.spec_from_file_location("sd_accel_install", harness.EXTENSION / "install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _installed_names(command: str) -> list[str]:
+    """The requirements a ``pip install`` command names (options and their values left out)."""
+    import shlex
+
+    words = shlex.split(command)[3:]  # python -m pip
+    names, skip = [], False
+    for w in words[1:]:
+        if skip:
+            skip = False
+        elif w in ("-c", "--constraint", "--extra-index-url", "--index-url"):
+            skip = True
+        elif not w.startswith("-"):
+            names.append(w)
+    return names
+
+
+def test_install_never_touches_the_webuis_own_packages(tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, str(STUB))
+    import launch
+
+    install = _install_module()
+    real_version = install.installed_version
+    monkeypatch.setattr(install, "installed_version", lambda d: None if d == "onnx" else real_version(d))
+    monkeypatch.setattr(install, "torch_cuda_major", lambda: "12")
+    real_installed = launch.is_installed
+    monkeypatch.setattr(launch, "is_installed", lambda p: p != "onnx" and real_installed(p))
+    launch.pip_commands.clear()
+    stamp = tmp_path / "stamp"
+    assert install.main(harness.EXTENSION, launch, stamp) == 0
+    commands = list(launch.pip_commands)
+    named = [n for c in commands for n in _installed_names(c)]
+    protected = {"torch", "torchvision", "gradio", "transformers", "diffusers", "numpy"}
+    assert not [n for n in named if install.requirement_name(n).lower() in protected], commands
+    assert all("install " in c and " -c " in c for c in commands)
+    assert any("--no-deps" in c and str(harness.REPO) in c for c in commands), commands  # sd-accel itself
+    assert any(n.startswith("onnx>=") for n in named), named
+    assert any(n.startswith("tensorrt-cu12") for n in named), named
+    # Pins: what the WebUI has of torch, gradio, transformers, numpy stays as it is.
+    pins = install.constraints()
+    for name in ("torch", "gradio", "transformers", "numpy"):
+        assert any(p.startswith(f"{name}==") for p in pins), pins
+    # Second start: the checkout is unchanged, so sd-accel is not installed again.
+    launch.pip_commands.clear()
+    install.main(harness.EXTENSION, launch, stamp)
+    assert not any("--no-deps" in c for c in launch.pip_commands)
+    # A failing pip (no TensorRT wheel) is reported; the WebUI still starts.
+    launch.pip_fail.append("tensorrt")
+    try:
+        assert install.main(harness.EXTENSION, launch, stamp) == 0
+    finally:
+        launch.pip_fail.clear()
+    assert "could not install TensorRT" in capsys.readouterr().out
+    # CPU torch: no TensorRT; SD_ACCEL_INSTALL_TENSORRT=0 also skips it.
+    monkeypatch.setattr(install, "torch_cuda_major", lambda: None)
+    assert install.tensorrt_requirements()[0] == []
+    monkeypatch.setattr(install, "torch_cuda_major", lambda: "12")
+    monkeypatch.setenv("SD_ACCEL_INSTALL_TENSORRT", "0")
+    assert install.tensorrt_requirements()[0] == []
+
+
+# --------------------------------------------------------------------------- a whole job
+
+
+def test_a1111_job_on_engines_with_fallback(tmp_path, engine_dir, caplog, capsys):
+    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    from ldm.modules.diffusionmodules import openaimodel
+    from modules import sd_hijack
+
+    # Registration: the callbacks the extension uses, the tab, the settings.
+    cb = webui.script_callbacks.callback_map
+    for kind in ("callbacks_ui_tabs", "callbacks_ui_settings", "callbacks_list_unets", "callbacks_app_started"):
+        assert any("sd_accel_webui.py" in c.script for c in cb[kind]), kind
+    assert ("sd-accel", "sd_accel") in webui.demo.sd_stub_tabs
+    assert webui.shared.opts.data_labels["sd_accel_engine_dir"].section == ("sd_accel", "sd-accel")
+    assert {"sd_accel_engine_dir", "sd_accel_fallback", "sd_accel_default_preset"} <= set(webui.demo.sd_stub_settings)
+    assert [s.title() for s in webui.scripts.scripts_txt2img.alwayson_scripts] == ["sd-accel"]
+
+    openaimodel.TRACE_LOG.clear()
+    _built(webui)
+    # The export traced plain attention and gave the WebUI its optimization and flags back.
+    assert openaimodel.TRACE_LOG and set(openaimodel.TRACE_LOG) == {"None"}
+    assert sd_hijack.current_optimizer.name == "sdp"
+    assert webui.shared.sd_model.model.diffusion_model.use_checkpoint is True
+    assert [o.label for o in webui.sd_unet.unet_options] == ["[sd-accel] tiny-sd15"]
+
+    # Torch reference first (SD Unet "None"), then the same jobs on engines ("Automatic").
+    jobs = {
+        "batched 2B": dict(prompt="a cat", steps=2),
+        "apart B": dict(prompt="a cat", steps=2),
+        "154 tokens + hires": dict(prompt=LONG_PROMPT, steps=2, enable_hr=True, hr_scale=1.5),
+        "batch 3: chunks": dict(prompt="a cat", steps=1, batch_size=3),
+    }
+
+    def run(name, **kw):
+        webui.shared.opts.batch_cond_uncond = name != "apart B"
+        return webui.txt2img(**kw).samples
+
+    webui.shared.opts.sd_unet = "None"
+    reference = {name: run(name, **kw) for name, kw in jobs.items()}
+    webui.shared.opts.sd_unet = "Automatic"
+    for name, kw in jobs.items():
+        got = run(name, **kw)
+        engine, torch_calls = _counts(webui)
+        assert torch_calls == 0 and engine > 0, (name, engine, torch_calls)
+        torch.testing.assert_close(got, reference[name], atol=2e-3, rtol=2e-3)
+    assert webui.sd_unet.current_unet is not None
+    # batch 3 batched = 6 rows > 4 the dynamic engine takes: 4 + 2, both on engines.
+    # A size no engine covers: PyTorch for those calls, said once in the job, then a summary.
+    caplog.clear()
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        webui.txt2img(prompt="a cat", steps=3, width=128, height=128)
+    assert _counts(webui) == (0, 3)
+    assert sum(FALLBACK in r.getMessage() for r in caplog.records) == 1
+    out = capsys.readouterr().out
+    assert "0 on engines, 3 in PyTorch" in out and "no engine covers" in out
+    # The next job warns again (once per job, not once per process).
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        webui.txt2img(prompt="a cat", steps=2, width=128, height=128)
+    assert sum(FALLBACK in r.getMessage() for r in caplog.records) == 1
+
+
+def test_api_routes_list_build_delete(tmp_path, engine_dir):
+    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    client = webui.client()
+    listed = client.get("/sd-accel/engines").json()
+    if len(listed["engines"]) < 2:
+        _built(webui)
+        listed = client.get("/sd-accel/engines").json()
+    assert listed["engine_dir"] == str(engine_dir)
+    names = [e["name"] for e in listed["engines"]]
+    first = listed["engines"][0]
+    assert first["component"] == "ldm_unet" and first["usable_here"] is True
+    assert first["webui"]["model_name"] == "tiny-sd15" and first["weights"].startswith("ckpt-")
+    # Errors answer with a status and a reason, never a crash.
+    assert client.post("/sd-accel/build", json={"profile": {"batch": 1, "height": 60, "width": 64}}).status_code == 400
+    assert client.post("/sd-accel/build", json={"checkpoint": "nope"}).status_code == 404
+    assert client.delete("/sd-accel/engines/not-an-engine").status_code == 400
+    assert client.delete("/sd-accel/engines/ldm_unet.x.fp32.static.b1.onnxruntime-1.0.ckpt-0.00000000.s1").status_code == 404
+    # Delete one (a copy: the module's engines stay for the other tests).
+    webui.shared.opts.data["sd_accel_engine_dir"] = str(tmp_path / "copy")
+    import shutil
+
+    shutil.copytree(engine_dir, tmp_path / "copy")
+    response = client.delete(f"/sd-accel/engines/{names[0]}")
+    assert response.status_code == 200 and response.json() == {"deleted": names[0]}
+    assert names[0] not in [e["name"] for e in client.get("/sd-accel/engines").json()["engines"]]
+
+
+def test_webui_flags_respected_by_the_export(tmp_path):
+    """--lowvram hooks lifted during the export (and back after), --xformers restored, status says so."""
+    webui = harness.start(tmp_path, argv=("--lowvram", "--xformers", "--no-half-vae"))
+    from modules import lowvram, sd_hijack
+
+    from sd_accel.webui.jobs import build_for_checkpoint
+    from sd_accel.webui.tab import status_markdown
+
+    assert sd_hijack.current_optimizer.name == "xformers"
+    unet = webui.shared.sd_model.model.diffusion_model
+    hooked = [m for m in unet.modules() if m._forward_pre_hooks]
+    lowvram.calls.clear()
+    build_for_checkpoint(profile=STATIC)
+    assert lowvram.calls == []  # no block was sent to the "GPU" during trace or validation
+    assert [m for m in unet.modules() if m._forward_pre_hooks] == hooked
+    assert sd_hijack.current_optimizer.name == "xformers" and sd_hijack.history[-2:] == ["None", "xformers"]
+    status = status_markdown()
+    assert "--medvram/--lowvram" in status and "--xformers" in status and "--no-half-vae" in status
+    webui.txt2img(prompt="a cat", steps=1)
+    assert lowvram.calls  # the hooks work again after the export
+
+
+def test_lora_merged_weights_get_their_own_engines(tmp_path, engine_dir, capsys):
+    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    from sd_accel.webui.jobs import build_for_checkpoint
+
+    unet = webui.shared.sd_model.model.diffusion_model
+    # What A1111's Lora extension leaves on each layer it merged into.
+    layer = unet.unet.conv_in
+    layer.network_current_names = (("film", 1.0, 0.8, None),)
+    try:
+        records = build_for_checkpoint(profile=STATIC)
+    finally:
+        del layer.network_current_names
+    assert "+lora-" in records[0].key.model and records[0].extra["webui"]["loras"] == [["film", 0.8, None]]
+    webui.shared.opts.sd_unet = "Automatic"
+    webui.txt2img(prompt="a cat <lora:film:1:0.8>", steps=2)
+    out = capsys.readouterr().out
+    assert "2 on engines, 0 in PyTorch" in out
+    webui.txt2img(prompt="a cat <lora:other:1>", steps=2)
+    assert "no engine for tiny-sd15" in capsys.readouterr().out
+    webui.txt2img(prompt="a cat <hypernet:anime:1>", steps=1)
+    assert "hypernet" in capsys.readouterr().out
+
+
+def test_the_tab_survives_failures(tmp_path, monkeypatch):
+    webui = harness.start(tmp_path)
+    import sd_accel.ui.panel
+    from sd_accel.webui import tab
+
+    def broken(state):
+        raise RuntimeError("panel exploded")
+
+    monkeypatch.setattr(sd_accel.ui.panel, "build_panel", broken)
+    (blocks, title, elem_id), = tab.on_ui_tabs()
+    assert (title, elem_id) == ("sd-accel", "sd_accel")
+    assert any("panel exploded" in str(getattr(b, "value", "")) for b in blocks.blocks.values())
+    # sd-accel not importable at all (and no checkout beside the extension to fall back to):
+    # the script still gives the WebUI a tab that says why.
+    import shutil
+
+    lone = tmp_path / "extensions" / "sd-accel"
+    shutil.copytree(harness.EXTENSION / "scripts", lone / "scripts")
+    monkeypatch.setitem(sys.modules, "sd_accel.webui", None)  # import fails as if not installed
+    webui.script_callbacks.clear_callbacks()
+    webui.scripts.load_scripts([str(lone)])
+    tabs = webui.script_callbacks.ui_tabs_callback()
+    assert [t[1:] for t in tabs] == [("sd-accel", "sd_accel")]
+    assert not webui.scripts.scripts_data  # no always-on script without sd-accel
+
+
+def test_webui_path_does_not_import_diffusers(tmp_path):
+    """The WebUI path (spec, export, runtime, tab) must import without diffusers."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'diffusers':\n"
+        "            raise ImportError('diffusers is blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import sd_accel.components.ldm_unet, sd_accel.webui.export, sd_accel.webui.runner\n"
+        "import sd_accel.webui.controller, sd_accel.webui.tab, sd_accel.webui.api\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_unusable_backend_never_breaks_a_job(tmp_path, engine_dir, capsys):
+    """TensorRT picked where it cannot run: the tab says why and how to fix it; jobs run in PyTorch."""
+    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    from sd_accel.webui.tab import status_markdown
+
+    if not webui.sd_unet.unet_options:
+        _built(webui)
+    webui.shared.opts.sd_unet = "Automatic"
+    webui.txt2img(prompt="a cat", steps=1)  # activates the engines' SD-UNet
+    assert webui.sd_unet.current_unet is not None
+    webui.shared.opts.data["sd_accel_backend"] = "tensorrt"
+    capsys.readouterr()
+    out = webui.txt2img(prompt="a cat", steps=2).samples
+    assert torch.isfinite(out).all()
+    assert "engines cannot be loaded" in capsys.readouterr().out
+    status = status_markdown()
+    assert "cannot run here" in status and "pip install tensorrt-cu" in status
+
+
+def test_sdxl_y_input(tmp_path):
+    """SDXL: the ADM vector ``y`` is an engine input, passed by keyword as sgm's wrapper does."""
+    webui = harness.start(tmp_path, family="sdxl")
+    from sd_accel.webui.jobs import build_for_checkpoint
+
+    records = build_for_checkpoint(profile=STATIC)
+    assert set(records[0].shapes) == {"x", "timesteps", "context", "y"}
+    assert records[0].extra["webui"]["family"] == "sdxl"
+    webui.sd_unet.list_unets()
+    webui.shared.opts.sd_unet = "None"
+    reference = webui.txt2img(prompt="a cat", steps=2).samples
+    webui.shared.opts.sd_unet = "Automatic"
+    got = webui.txt2img(prompt="a cat", steps=2).samples
+    assert _counts(webui) == (2, 0)
+    torch.testing.assert_close(got, reference, atol=2e-3, rtol=2e-3)
+
+
+def test_unet_that_needs_divisible_sizes_is_exported_at_one():
+    """A host UNet without a skip-size resize (plain LDM) cannot trace at the odd size: the spec
+    says which latent sizes its engines serve, and the runtime keeps other sizes off them."""
+    from sd_accel.components.ldm_unet import LdmUNetSpec, latent_ok, ldm_dims
+
+    sys.path.insert(0, str(STUB))
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    class PlainLdm(UNetModel):
+        def forward(self, x, timesteps=None, context=None, y=None, **kwargs):
+            if x.shape[-1] % 2:
+                raise RuntimeError("Sizes of tensors must match except in dimension 1")
+            return super().forward(x, timesteps, context, y)
+
+    unet = PlainLdm("sd15")
+    dims = ldm_dims(unet)
+    assert (dims.context_dim, dims.adm_channels, dims.in_channels, dims.num_upsamplers) == (64, 0, 4, 1)
+    spec = LdmUNetSpec(unet, dims)
+    assert spec.export_side() % 2 == 0 and spec.latent_multiple == 2
+    assert latent_ok((8, 8), 2) and not latent_ok((9, 8), 2) and latent_ok((9, 8), 1)
+    assert LdmUNetSpec(UNetModel("sd15")).export_side() % 2 == 1  # the diffusers-style UNet resizes
+    harness.purge()

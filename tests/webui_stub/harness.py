@@ -1,0 +1,96 @@
+"""Start the stand-in WebUI with sd-accel's extension, as ``webui.py`` would; run jobs.
+
+Not a WebUI module: the tests' driver. ``start`` clears every stub and sd-accel WebUI module
+from ``sys.modules`` first, so each test gets a fresh WebUI (callbacks, options, SD-UNet state).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STUB = Path(__file__).resolve().parent
+FORGE = STUB / "forge"
+REPO = STUB.parents[1]
+EXTENSION = REPO / "extension"
+_PREFIXES = ("modules", "ldm", "backend", "modules_forge", "launch", "sd_accel.webui", "sd_accel_webui.py")
+
+
+def purge() -> None:
+    for name in list(sys.modules):
+        if any(name == p or name.startswith(p + ".") for p in _PREFIXES):
+            del sys.modules[name]
+    for path in (str(STUB), str(FORGE)):
+        while path in sys.path:
+            sys.path.remove(path)
+
+
+@dataclass
+class WebUI:
+    """Handles on the started stub: its modules, the UI, the FastAPI app, the checkpoint."""
+
+    shared: Any
+    sd_unet: Any
+    sd_models: Any
+    scripts: Any
+    processing: Any
+    script_callbacks: Any
+    demo: Any
+    app: Any
+    checkpoint: Any
+    forge: bool
+
+    def txt2img(self, **kwargs):
+        p = self.processing.StableDiffusionProcessingTxt2Img(scripts=self.scripts.scripts_txt2img, **kwargs)
+        return self.processing.process_images(p)
+
+    def client(self):
+        from fastapi.testclient import TestClient
+
+        return TestClient(self.app)
+
+
+def make_checkpoint(folder: Path, name: str, family: str = "sd15", seed: int = 0) -> Path:
+    path = folder / "Stable-diffusion" / f"{name}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"family": family, "seed": seed}))
+    return path
+
+
+def start(tmp: Path, forge: bool = False, argv: tuple[str, ...] = (), family: str = "sd15",
+          engine_dir: Path | None = None, options: dict | None = None) -> WebUI:
+    """The stub WebUI with the extension loaded and a tiny checkpoint of ``family`` loaded."""
+    from fastapi import FastAPI
+
+    purge()
+    sys.path.insert(0, str(STUB))
+    if forge:
+        sys.path.insert(0, str(FORGE))
+    importlib.invalidate_caches()
+    shared = importlib.import_module("modules.shared")
+    shared.set_cmd_opts(list(argv))
+    sd_hijack = importlib.import_module("modules.sd_hijack")
+    sd_hijack.list_optimizers()
+    sd_models = importlib.import_module("modules.sd_models")
+    scripts = importlib.import_module("modules.scripts")
+    script_callbacks = importlib.import_module("modules.script_callbacks")
+    sd_unet = importlib.import_module("modules.sd_unet")
+    ui = importlib.import_module("modules.ui")
+
+    scripts.load_scripts([str(EXTENSION)])
+    scripts.scripts_txt2img.initialize_scripts(is_img2img=False)
+    shared.opts.data["sd_accel_engine_dir"] = str(engine_dir or tmp / "engines")
+    for key, value in (options or {}).items():
+        shared.opts.data[key] = value
+    info = sd_models.register_checkpoint(str(make_checkpoint(tmp / "models", f"tiny-{family}", family)))
+    sd_models.load_model(info)
+    sd_unet.list_unets()
+    demo = ui.create_ui()
+    app = FastAPI()
+    script_callbacks.app_started_callback(demo, app)
+    return WebUI(shared, sd_unet, sd_models, scripts, importlib.import_module("modules.processing"),
+                 script_callbacks, demo, app, info, forge)

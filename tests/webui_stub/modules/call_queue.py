@@ -1,0 +1,5 @@
+"""``modules/call_queue.py``: the lock every generation holds."""
+
+import threading
+
+queue_lock = threading.Lock()
