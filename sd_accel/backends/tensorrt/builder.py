@@ -30,8 +30,13 @@ def trt_status() -> tuple[bool, str, str]:
     try:
         import tensorrt as trt
     except Exception as exc:
+        if torch.version.cuda is None:
+            return False, "", (
+                f"TensorRT is not importable ({type(exc).__name__}: {exc}), and this torch "
+                f"({torch.__version__}) is a CPU build: TensorRT needs an NVIDIA GPU and a CUDA build of torch"
+            )
         # The plain `tensorrt` package picks CUDA 13 for TensorRT 11: name the build torch's CUDA needs.
-        cuda = (torch.version.cuda or "12").split(".")[0]
+        cuda = torch.version.cuda.split(".")[0]
         return False, "", (
             f"TensorRT is not importable ({type(exc).__name__}: {exc}); install the build for torch's "
             f"CUDA {cuda}: `pip install tensorrt-cu{cuda} polygraphy`"
