@@ -123,13 +123,20 @@ def _build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pr
         tick(0.0, "exporting ONNX")
         onnx_path = onnx_artifact(spec, cache.root, progress=lambda f, m: tick(0.4 * f, m))
         shapes = spec.shape_ranges(profile)
-        files = be.build(onnx_path, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m))
+        extra, holdout = {}, None
+        if precision == "int8":  # static INT8: calibration feeds captured from real prompt runs (cached)
+            from sd_accel.quantize import calibration_for, split_holdout
+
+            tick(0.4, "capturing calibration data from prompt runs")
+            extra["calibration"], holdout = split_holdout(calibration_for(spec, profile, cache.root))
+        files = be.build(onnx_path, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m), **extra)
         result = None
         if validate_it:
             tick(0.85, "validating against torch")
             runner = be.load(slot.dir, files, shapes)
             try:
-                result = validate(spec, runner, profile, precision, device="cuda" if be.name == "tensorrt" else "cpu")
+                result = validate(spec, runner, profile, precision, device="cuda" if be.name == "tensorrt" else "cpu",
+                                  feeds=holdout or None)
             finally:
                 runner.close()
             if not result.ok:

@@ -125,7 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     smp = sub.add_parser("samplers", help="list the sampler presets")
     smp.set_defaults(func=_cmd_samplers)
 
-    from sd_accel import cli_engines
+    from sd_accel import bench, cli_engines
+
+    bch = sub.add_parser("bench", help="benchmark plain diffusers vs sd-accel (torch, engines, INT8) side by side")
+    bench.add_arguments(bch)
+    bch.set_defaults(func=bench.run_from_args)
 
     cli_engines.add_commands(sub, _engine_args)
     return parser
@@ -134,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_args(p: argparse.ArgumentParser, backend: bool = False) -> None:
     p.add_argument("--engine-dir", default=None, help="engine cache folder (default $SD_ACCEL_ENGINE_DIR or ./engines)")
     if backend:
-        p.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"), default="auto")
+        p.add_argument("--backend", choices=("auto", "onnxruntime", "openvino", "tensorrt"), default="auto")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ ATTENTION = ("auto", "xformers", "sdpa", "sliced")
 PRECISION = ("auto", "fp32", "fp16", "bf16")
 VAE_PRECISION = ("auto", "fp32", "same")
 OFFLOAD = ("none", "medvram", "lowvram")
-BACKENDS = ("auto", "onnxruntime", "tensorrt")
+BACKENDS = ("auto", "onnxruntime", "openvino", "tensorrt")
 
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:

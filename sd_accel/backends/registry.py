@@ -16,6 +16,14 @@ def get_backend(name: str = "auto", cache_root: Path | None = None):
         raise ValueError(f"backend={name!r} is not valid; allowed: {', '.join(BACKENDS)}")
     if name == "auto":
         name = "tensorrt" if trt_status()[0] else "onnxruntime"
+    if name == "openvino":
+        from sd_accel.backends.openvino import OpenVinoBackend
+
+        backend = OpenVinoBackend()
+        info = backend.info()
+        if not info.usable:
+            raise RuntimeError(f"backend='openvino' cannot run here: {info.why_not}")
+        return backend
     if name == "tensorrt":
         backend = TensorRTBackend(cache_root)
         info = backend.info()
@@ -29,4 +37,8 @@ def get_backend(name: str = "auto", cache_root: Path | None = None):
 
 
 def default_precision(backend_name: str) -> str:
+    if backend_name == "openvino":
+        from sd_accel.backends.openvino.builder import has_bf16
+
+        return "bf16" if has_bf16() else "fp32"
     return "fp16" if backend_name == "tensorrt" else "fp32"

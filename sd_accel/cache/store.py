@@ -53,7 +53,7 @@ INDEX_SCHEMA = 1  # bump when the index or meta.json layout changes meaning
 INDEX_FILE = "index.json"
 META_FILE = "meta.json"
 LOCK_DIR = ".locks"
-RESERVED = frozenset({"onnx"})  # top-level folders owned by other modules
+RESERVED = frozenset({"onnx", "calibration"})  # top-level folders owned by other modules
 
 DEFAULT_BUILD_WAIT_S = 3600.0  # a TensorRT build of an SDXL UNet can take tens of minutes
 DEFAULT_DELETE_WAIT_S = 10.0

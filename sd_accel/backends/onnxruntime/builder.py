@@ -3,17 +3,24 @@
 Static profiles pin every symbolic dimension (``add_free_dimension_override_by_name``), so ORT
 plans for fixed shapes, which on CPU is worth a lot (DESIGN.md). The optimized model bakes in
 CPU-specific layouts, so engines are keyed by CPU class.
+
+INT8 (``int8``: static, calibrated; ``int8-dynamic``: no calibration) quantizes the ONNX file
+first (``sd_accel.quantize``), then optimizes the quantized model the same way as fp32.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 
 from sd_accel.backends.base import BackendInfo, EngineError, Progress, ShapeRanges
 from sd_accel.device import arch_for
+
+if TYPE_CHECKING:
+    from sd_accel.quantize.calibration import CalibrationSet
 
 ENGINE_FILE = "engine.onnx"
 DATA_FILE = "engine.onnx.data"
@@ -74,15 +81,35 @@ class OnnxRuntimeBackend:
         return BackendInfo(self.name, ort.__version__, arch_for(dev), True)
 
     def precisions(self) -> tuple[str, ...]:
-        return ("fp32",)
+        return ("fp32", "int8", "int8-dynamic")
 
     def build(
-        self, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path, progress: Progress
+        self,
+        onnx_path: Path,
+        shapes: ShapeRanges,
+        precision: str,
+        out_dir: Path,
+        progress: Progress,
+        calibration: CalibrationSet | None = None,
     ) -> list[str]:
-        import onnxruntime as ort
-
+        """Optimize ``onnx_path`` for ``shapes`` into ``out_dir``; INT8 precisions quantize first
+        (``calibration``: the feeds static ``int8`` needs; ignored otherwise)."""
         if precision not in self.precisions():
             raise EngineError(f"onnxruntime backend builds {self.precisions()}, not {precision!r}")
+        if precision == "fp32":
+            return self._optimize(onnx_path, shapes, out_dir, progress)
+        from sd_accel.quantize.ort import quantize_onnx, remove_quantized
+
+        quant = out_dir / "quantized.onnx"
+        try:
+            quantize_onnx(onnx_path, quant, precision, shapes, calibration, lambda f, m: progress(0.7 * f, m))
+            return self._optimize(quant, shapes, out_dir, lambda f, m: progress(0.7 + 0.3 * f, m))
+        finally:
+            remove_quantized(quant)
+
+    def _optimize(self, onnx_path: Path, shapes: ShapeRanges, out_dir: Path, progress: Progress) -> list[str]:
+        import onnxruntime as ort
+
         progress(0.1, "optimizing with ONNX Runtime")
         opts = session_options()
         for symbol, value in symbol_values(onnx_path, shapes).items():

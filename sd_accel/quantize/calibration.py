@@ -1,0 +1,183 @@
+"""Calibration data for static INT8: the inputs a component really sees, captured during real
+pipeline runs on a few prompts, and kept on disk (one ``.npz`` per model, component and shape)
+so a rebuild does not run the pipeline again.
+
+The UNet is captured at every denoising step (so early, noisy and late, clean latents are all
+represented); the VAE decoder sees each run's final latents; the text encoder each prompt's ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("sd_accel")
+
+CALIBRATION_PROMPTS: tuple[str, ...] = (
+    "a photograph of an astronaut riding a horse on mars, highly detailed",
+    "a watercolor painting of a quiet harbour at sunset",
+    "portrait of an old fisherman, dramatic lighting, 85mm",
+    "a bowl of ramen on a wooden table, studio photo",
+    "an isometric pixel-art castle in a snowy forest",
+    "a futuristic city skyline at night, neon, rain",
+    "a close-up of a red fox in autumn leaves",
+    "abstract geometric shapes, bauhaus poster",
+)
+# pipeline attribute whose forward inputs are captured, per component
+_HOOKED = {"unet": "unet", "clip": "text_encoder"}
+
+
+@dataclass
+class CalibrationSet:
+    """Input feeds (name -> fp32/int array) for one component at one shape."""
+
+    component: str
+    feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.feeds)
+
+    def save(self, path: Path) -> None:
+        arrays = {f"{i}/{k}": v for i, feed in enumerate(self.feeds) for k, v in feed.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, component: str, path: Path) -> CalibrationSet:
+        with np.load(path) as data:
+            feeds: dict[int, dict[str, np.ndarray]] = {}
+            for key in data.files:
+                index, name = key.split("/", 1)
+                feeds.setdefault(int(index), {})[name] = data[key]
+        return cls(component, [feeds[i] for i in sorted(feeds)])
+
+
+def _np(t: torch.Tensor, like: torch.dtype) -> np.ndarray:
+    t = t.detach().to("cpu")
+    return (t.to(torch.float32) if like.is_floating_point else t.to(like)).numpy().copy()
+
+
+def _feed_from_call(spec, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
+    """Map one forward call's arguments to the spec's input names (positional first, then kwargs)."""
+    names = [t.name for t in spec.inputs()]
+    dtypes = {t.name: t.dtype for t in spec.inputs()}
+    values: dict[str, torch.Tensor] = dict(zip(names, args, strict=False))
+    for name in names:
+        if name not in values and name in kwargs:
+            values[name] = kwargs[name]
+    added = kwargs.get("added_cond_kwargs") or {}
+    for name in ("text_embeds", "time_ids"):
+        if name in names and name in added:
+            values[name] = added[name]
+    batch = None
+    out = {}
+    for name in names:
+        v = values[name]
+        if not torch.is_tensor(v):
+            v = torch.tensor(v)
+        if name == "sample":
+            batch = v.shape[0]
+        if name == "timestep" and batch is not None:
+            v = v.reshape(-1).expand(batch) if v.numel() in (1, batch) else v
+        out[name] = _np(v, dtypes[name])
+    return out
+
+
+def capture_calibration(
+    pipe,
+    specs: dict,
+    *,
+    height: int,
+    width: int,
+    batch: int = 1,
+    prompts: Sequence[str] = CALIBRATION_PROMPTS[:4],
+    steps: int = 8,
+    guidance_scale: float = 7.5,
+    seed: int = 0,
+) -> dict[str, CalibrationSet]:
+    """Run ``pipe`` on ``prompts`` and record the inputs of every component in ``specs``.
+
+    ``len(prompts) * steps`` UNet samples (batch 2 * ``batch`` with guidance), one VAE-decoder and
+    one text-encoder sample per prompt (two with guidance: the empty negative prompt too).
+    """
+    sets = {name: CalibrationSet(name) for name in specs}
+    handles = []
+    for name, attr in _HOOKED.items():
+        if name in specs and getattr(pipe, attr, None) is not None:
+            spec = specs[name]
+
+            def hook(_m, args, kwargs, _spec=spec, _name=name):
+                sets[_name].feeds.append(_feed_from_call(_spec, args, kwargs))
+
+            handles.append(getattr(pipe, attr).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            for i, prompt in enumerate(prompts):
+                g = torch.Generator("cpu").manual_seed(seed + i)
+                out = pipe(
+                    [prompt] * batch, height=height, width=width, num_inference_steps=steps,
+                    guidance_scale=guidance_scale, generator=g, output_type="latent",
+                )
+                if "vae_decoder" in specs:
+                    latents = out.images / pipe.vae.config.scaling_factor
+                    sets["vae_decoder"].feeds.append({"latent": _np(latents, torch.float32)})
+    finally:
+        for h in handles:
+            h.remove()
+    return sets
+
+
+def _cache_file(cache_root: Path, fingerprint: str, component: str, shapes: dict, prompts, steps: int) -> Path:
+    tag = repr((sorted((k, v[1]) for k, v in shapes.items()), list(prompts), steps))
+    digest = hashlib.sha256(tag.encode()).hexdigest()[:16]
+    return Path(cache_root) / "calibration" / f"{fingerprint[:16]}-{component}-{digest}.npz"
+
+
+def calibration_for(
+    spec,
+    profile,
+    cache_root: Path,
+    *,
+    prompts: Sequence[str] = CALIBRATION_PROMPTS[:4],
+    steps: int = 8,
+) -> CalibrationSet:
+    """Calibration feeds for ``spec`` at ``profile``'s opt shape: loaded from the cache, or captured
+    by running the pipeline (all of ``spec.pipe``'s components are captured and cached at once)."""
+    from sd_accel.components import specs_for
+    from sd_accel.onnx.fingerprint import fingerprint
+
+    pipe = spec.pipe
+    shapes = spec.shape_ranges(profile)
+    path = _cache_file(cache_root, fingerprint(spec.torch_module()), spec.name, shapes, prompts, steps)
+    if path.exists():
+        return CalibrationSet.load(spec.name, path)
+    height, width, batch = profile.height[1], profile.width[1], profile.batch[1]
+    specs = {n: s for n, s in specs_for(pipe).items() if n in ("unet", "vae_decoder", "clip")}
+    log.info("capturing calibration data: %d prompts x %d steps at %dx%d", len(prompts), steps, width, height)
+    sets = capture_calibration(pipe, specs, height=height, width=width, batch=batch, prompts=prompts, steps=steps)
+    for name, cset in sets.items():
+        s = specs[name]
+        cset.save(_cache_file(cache_root, fingerprint(s.torch_module()), name, s.shape_ranges(profile), prompts, steps))
+    if spec.name not in sets or not sets[spec.name].feeds:
+        raise ValueError(f"no calibration data could be captured for {spec.name!r}")
+    return sets[spec.name]
+
+
+def split_holdout(calibration: CalibrationSet, every: int = 4) -> tuple[CalibrationSet, list[dict[str, torch.Tensor]]]:
+    """Keep every ``every``-th captured feed out of calibration, as real inputs for the accuracy
+    gate: random validation inputs lie outside the ranges an INT8 engine was calibrated for and
+    measure clipping of inputs no pipeline produces, not the engine's error in use."""
+    if len(calibration) < 2:
+        return calibration, []
+    held = [i for i in range(len(calibration)) if i % every == every - 1] or [len(calibration) - 1]
+    keep = CalibrationSet(calibration.component, [f for i, f in enumerate(calibration.feeds) if i not in held])
+    holdout = [{k: torch.from_numpy(v) for k, v in calibration.feeds[i].items()} for i in held]
+    return keep, holdout

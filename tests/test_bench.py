@@ -1,0 +1,75 @@
+"""The benchmark harness end to end on builtin:tiny-sd15 (``--tiny``): every row, JSON and
+Markdown written, ratios and accuracy computed. Timings are never asserted."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+import sd_accel.build
+from sd_accel.bench import CPU_VARIANTS, main
+from sd_accel.config import BACKENDS
+
+WIRED = {
+    "openvino": "openvino" in BACKENDS,
+    "int8": "calibration" in inspect.getsource(sd_accel.build),  # build.py routes static INT8
+}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    md = out / "BENCHMARKS.md"
+    assert main(["--tiny", "--out", str(out), "--markdown", str(md), "--engine-dir", str(out / "engines")]) == 0
+    return out, json.loads((out / "bench.json").read_text()), md.read_text()
+
+
+def test_every_row_is_reported(report):
+    _, data, md = report
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert list(rows) == list(CPU_VARIANTS)
+    for name in ("diffusers", "sd-accel-torch", "ort-fp32"):
+        assert not rows[name]["skipped"], rows[name]["skipped"]
+    if WIRED["openvino"]:
+        assert not rows["openvino-fp32"]["skipped"] or "does not build" in rows["openvino-fp32"]["skipped"]
+    if WIRED["int8"]:
+        assert not rows["ort-int8"]["skipped"] and not rows["ort-int8-dynamic"]["skipped"]
+    for r in rows.values():
+        assert r["skipped"] or r["unet_ms"] > 0
+        assert r["variant"] in md  # skipped rows say why in the table too
+
+
+def test_ratios_and_accuracy_against_plain_diffusers(report):
+    _, data, _ = report
+    ref, *others = [r for r in data["rows"] if not r["skipped"]]
+    assert ref["variant"] == "diffusers" and ref["unet_speedup"] == 1.0 and ref["latent_rel_l2"] == 0.0
+    for r in others:
+        assert r["unet_speedup"] > 0 and r["e2e_speedup"] > 0
+        assert 0 <= r["latent_rel_l2"] < 1.0 and r["psnr_db"] > 10
+        for key in ("clip_ms", "vae_ms", "it_s", "s_per_image", "s_per_image_20", "peak_ram_gb", "load_s"):
+            assert r[key] is not None and r[key] >= 0, key
+    engine_rows = [r for r in others if r["variant"].startswith(("ort", "openvino"))]
+    assert engine_rows and all(r["build_s"] is not None for r in engine_rows)
+
+
+def test_markdown_has_table_machine_versions_and_command(report):
+    _, data, md = report
+    assert "| row |" in md and "Machine:" in md and "onnxruntime" in md
+    assert "sd-accel bench --tiny" in md and data["command"].startswith("sd-accel bench")
+
+
+def test_profile_writes_a_chrome_trace(report, capsys):
+    out, _, _ = report
+    assert main(["--tiny", "--variants", "diffusers,ort-fp32", "--profile", "--out", str(out / "p"),
+                 "--engine-dir", str(out / "engines")]) == 0
+    trace = json.loads((out / "p" / "trace-ort-fp32.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "sd-accel:unet" in names and "sd-accel:ort-fp32" in names
+    assert "UNet ms/call" in capsys.readouterr().out
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(SystemExit, match="unknown variants"):
+        main(["--tiny", "--variants", "nope"])
