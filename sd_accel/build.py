@@ -99,18 +99,24 @@ def build_engines(
                     raise BuildCancelled("build cancelled; no partial engine was kept")
                 report(BuildEvent(_i, len(jobs), _s.name, _p.tag, msg, frac))
 
-            records.append(_build_one(cache, be, info, spec, profile, precision, tick, validate))
+            records.append(build_one(cache, be, info, spec, profile, precision, tick, validate))
     report(None)
     return records
 
 
-def _build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Progress, validate_it: bool):
-    from sd_accel.onnx.export import onnx_artifact
+def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Progress, validate_it: bool,
+              *, model_id: str | None = None, record_extra: Callable[[object], dict] | None = None):
+    """Build (or reuse) one engine for one spec and profile, validated and committed to the cache.
+
+    ``model_id`` replaces the weight fingerprint in the key (the WebUI keys by checkpoint hash);
+    ``record_extra(artifact)`` adds fields to the cache record once the ONNX artifact exists.
+    """
+    from sd_accel.onnx.export import ensure_onnx_artifact
     from sd_accel.onnx.fingerprint import fingerprint
     from sd_accel.validate import validate
 
-    key = EngineKey(fingerprint(spec.torch_module()), spec.name, be.name, info.version, info.arch,
-                    precision, profile.tag)
+    model = model_id or fingerprint(spec.torch_module())
+    key = EngineKey(model, spec.name, be.name, info.version, info.arch, precision, profile.tag)
     existing = cache.get(key)
     if existing is not None and existing.status == "ok":
         tick(1.0, "cached")
@@ -121,7 +127,7 @@ def _build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pr
             return cache.get(key)
         start = time.perf_counter()
         tick(0.0, "exporting ONNX")
-        onnx_path = onnx_artifact(spec, cache.root, progress=lambda f, m: tick(0.4 * f, m))
+        artifact = ensure_onnx_artifact(spec, cache.root, progress=lambda f, m: tick(0.4 * f, m))
         shapes = spec.shape_ranges(profile)
         extra, holdout = {}, None
         if precision == "int8":  # static INT8: calibration feeds captured from real prompt runs (cached)
@@ -129,7 +135,7 @@ def _build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pr
 
             tick(0.4, "capturing calibration data from prompt runs")
             extra["calibration"], holdout = split_holdout(calibration_for(spec, profile, cache.root))
-        files = be.build(onnx_path, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m), **extra)
+        files = be.build(artifact.path, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m), **extra)
         result = None
         if validate_it:
             tick(0.85, "validating against torch")
@@ -144,7 +150,8 @@ def _build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pr
                     f"engine {key.name} failed validation: {result.why}. It was not kept; try a "
                     "narrower profile or fp32."
                 )
-        record = slot.commit(files, shapes, time.perf_counter() - start, result.to_dict() if result else None, {})
+        record = slot.commit(files, shapes, time.perf_counter() - start, result.to_dict() if result else None,
+                             record_extra(artifact) if record_extra else {})
         tick(1.0, "done")
         return record
 

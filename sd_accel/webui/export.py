@@ -23,15 +23,12 @@ import contextlib
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from sd_accel.backends.base import EngineError
 from sd_accel.build import BuildCancelled, BuildEvent
-from sd_accel.cache.key import EngineKey
 from sd_accel.components.ldm_unet import COMPONENT, LdmUNetSpec
 from sd_accel.profiles import Profile
 from sd_accel.webui import host
@@ -249,41 +246,16 @@ def build_loaded(
 
 def _build_one(cache, be, info, spec: LdmUNetSpec, source: ExportSource, profile: Profile, precision: str,
                tick, validate_it: bool):
-    """As :func:`sd_accel.build._build_one`, keyed by the weights id, with the WebUI facts kept."""
-    from sd_accel.onnx.export import ensure_onnx_artifact
-    from sd_accel.validate import validate
+    """:func:`sd_accel.build.build_one`, keyed by the weights id, with the WebUI facts kept."""
+    from sd_accel.build import build_one
 
-    key = EngineKey(source.weights_id, COMPONENT, be.name, info.version, info.arch, precision, profile.tag)
-    existing = cache.get(key)
-    if existing is not None and existing.status == "ok":
-        tick(1.0, "cached")
-        return existing
-    with cache.build_slot(key) as slot:
-        if slot is None:  # another process built it while we waited for the lock
-            tick(1.0, "built by another process")
-            return cache.get(key)
-        start = time.perf_counter()
-        tick(0.0, "exporting ONNX from the WebUI's UNet")
-        artifact = ensure_onnx_artifact(spec, cache.root, progress=lambda f, m: tick(0.4 * f, m))
-        shapes = spec.shape_ranges(profile)
-        files = be.build(artifact.path, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m))
-        result = None
-        if validate_it:
-            tick(0.85, "validating against torch")
-            runner = be.load(slot.dir, files, shapes)
-            try:
-                result = validate(spec, runner, profile, precision, device="cuda" if be.name == "tensorrt" else "cpu")
-            finally:
-                runner.close()
-            if not result.ok:
-                raise EngineError(f"engine {key.name} failed validation: {result.why}. It was not kept; try a "
-                                  "narrower profile or fp32.")
-        extra = {"webui": {
+    def webui_facts(artifact) -> dict:
+        return {"webui": {
             "checkpoint": source.title, "model_name": source.model_name, "hash": source.ckpt_hash,
             "loras": [list(e) for e in source.loras], "family": source.family,
             "latent_multiple": _latent_multiple(artifact.folder, spec),
             "weights_fingerprint": artifact.fingerprint, "host": "forge" if host.is_forge() else "a1111",
         }}
-        record = slot.commit(files, shapes, time.perf_counter() - start, result.to_dict() if result else None, extra)
-        tick(1.0, "done")
-        return record
+
+    return build_one(cache, be, info, spec, profile, precision, tick, validate_it,
+                     model_id=source.weights_id, record_extra=webui_facts)
