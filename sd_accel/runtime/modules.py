@@ -20,22 +20,29 @@ def _out(t: torch.Tensor, like: torch.Tensor | torch.nn.Module, dtype: torch.dty
     return t.to(device=device, dtype=dtype, copy=True)
 
 
-class EngineModule(torch.nn.Module):
-    """Base: forwards every unknown attribute to the torch module it stands in for."""
+class ProxyModule(torch.nn.Module):
+    """Forwards every attribute it lacks to the submodule named ``_proxied``: callers read the
+    stood-in module's config, dtype, device and anything else from the stand-in."""
 
-    def __init__(self, torch_module: torch.nn.Module, engines: dict[str, ComponentEngines]) -> None:
-        super().__init__()
-        self.torch_module = torch_module
-        self.engines = engines
+    _proxied = "torch_module"
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             modules = self.__dict__.get("_modules", {})
-            if "torch_module" not in modules:
+            if self._proxied not in modules:
                 raise
-            return getattr(modules["torch_module"], name)
+            return getattr(modules[self._proxied], name)
+
+
+class EngineModule(ProxyModule):
+    """Base of the engine-backed stand-ins for a pipeline's modules."""
+
+    def __init__(self, torch_module: torch.nn.Module, engines: dict[str, ComponentEngines]) -> None:
+        super().__init__()
+        self.torch_module = torch_module
+        self.engines = engines
 
     def component_stats(self) -> dict[str, Any]:
         return {name: e.stats.to_dict() for name, e in self.engines.items()}

@@ -18,10 +18,10 @@ as usual and a call no engine covers runs at once.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
+from sd_accel.runtime.modules import ProxyModule
 from sd_accel.webui import host
 from sd_accel.webui.controller import Controller, controller
 from sd_accel.webui.identity import checkpoint_hash, describe, forge_loras, weights_id
@@ -32,23 +32,16 @@ log = logging.getLogger("sd_accel")
 OBJECT_PATCH = "diffusion_model"
 
 
-class EngineDiffusionModel(torch.nn.Module):
-    """Forge's ``diffusion_model`` during sampling: engines where they cover, torch elsewhere."""
+class EngineDiffusionModel(ProxyModule):
+    """Forge's ``diffusion_model`` during sampling: engines where they cover, torch elsewhere.
+    Forge and other extensions read attributes of the UNet (dtype, model_channels ...): proxied."""
+
+    _proxied = "torch_unet"
 
     def __init__(self, torch_unet: torch.nn.Module, engines: LdmEngines) -> None:
         super().__init__()
         self.torch_unet = torch_unet
         self.engines = engines
-
-    def __getattr__(self, name: str) -> Any:
-        # Forge and other extensions read attributes of the UNet (dtype, model_channels ...).
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules", {})
-            if "torch_unet" not in modules:
-                raise
-            return getattr(modules["torch_unet"], name)
 
     def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options=None, **kwargs):
         options = transformer_options if transformer_options is not None else {}
