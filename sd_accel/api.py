@@ -65,7 +65,8 @@ def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
 
     cache = EngineCache(config.engine_dir)
     backend = get_backend(config.backend, cache_root=cache.root)
-    found = swap_engines(pipe, cache, backend, fallback=config.engine_fallback)
+    found = swap_engines(pipe, cache, backend, fallback=config.engine_fallback,
+                          prefer_precision=config.engine_precision)
     if not any(found.values()):
         log.warning(
             "engines=True but %s holds no engine for this model on %s; run build_engines(pipe) or "

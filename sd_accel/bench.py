@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 PROMPT = "a photograph of an astronaut riding a horse on mars, highly detailed"
-CPU_VARIANTS = ("diffusers", "sd-accel-torch", "ort-fp32", "openvino-fp32", "openvino-bf16", "ort-int8",
-                "ort-int8-dynamic")
+CPU_VARIANTS = ("diffusers", "sd-accel-torch", "ort-fp32", "openvino-fp32", "openvino-bf16", "openvino-int8",
+                "ort-int8", "ort-int8-dynamic")
 CUDA_VARIANTS = ("diffusers", "sd-accel-torch", "tensorrt-fp16")
 ENGINE_COMPONENTS = ("clip", "unet", "vae_decoder")
 # variant -> (backend, precision) for engine rows
@@ -50,9 +50,11 @@ ENGINES = {
     "ort-int8-dynamic": ("onnxruntime", "int8-dynamic"),
     "openvino-fp32": ("openvino", "fp32"),
     "openvino-bf16": ("openvino", "bf16"),
+    "openvino-int8": ("openvino", "int8"),
     "tensorrt-fp16": ("tensorrt", "fp16"),
 }
-# INT8 rows quantize the UNet only; CLIP and the VAE decoder run as fp32 ONNX Runtime engines.
+# INT8 rows quantize the UNet only; CLIP and the VAE decoder run as float engines of the same
+# backend (ONNX Runtime fp32; OpenVINO bf16 where the CPU has it, else fp32).
 INT8_SUPPORT = ("clip", "vae_decoder")
 SHARED_ONNX = "onnx-shared"
 
@@ -223,7 +225,8 @@ def _engine_jobs(variant: str) -> list[tuple[str, str, list[str]]]:
     """(backend, precision, components) builds a row needs."""
     backend, precision = ENGINES[variant]
     if precision.startswith("int8"):
-        return [(backend, precision, ["unet"]), ("onnxruntime", "fp32", list(INT8_SUPPORT))]
+        floats = "bf16" if backend == "openvino" and _cpu_bf16() else "fp32"
+        return [(backend, precision, ["unet"]), (backend, floats, list(INT8_SUPPORT))]
     return [(backend, precision, list(ENGINE_COMPONENTS))]
 
 

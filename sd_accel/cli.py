@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from sd_accel.config import ATTENTION, OFFLOAD, PRECISION
+from sd_accel.config import ATTENTION, ENGINE_PRECISIONS, OFFLOAD, PRECISION
 
 DEFAULT_MODEL = "builtin:tiny-sd15"
 
@@ -30,7 +30,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     config = AccelConfig(precision=args.precision, attention=args.attention, offload=args.offload,
                          sampler=args.sampler, engines=args.engines, engine_dir=args.engine_dir,
-                         backend=args.backend)
+                         backend=args.backend, engine_precision=args.engine_precision)
     t0 = time.perf_counter()
     pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
     t_load = time.perf_counter() - t0
@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--offload", choices=OFFLOAD, default="none")
     gen.add_argument("--allow-pickle", action="store_true", help="allow .ckpt pickle checkpoints (they can run code)")
     gen.add_argument("--engines", action="store_true", help="run on the engines built for this model")
+    gen.add_argument("--engine-precision", choices=ENGINE_PRECISIONS, default=None,
+                     help="when engines of several precisions fit (int8 and bf16, say), use this one first")
     _engine_args(gen, backend=True)
     gen.add_argument("--out", type=Path, default=Path("outputs/sd-accel.png"))
     gen.add_argument("--json", action="store_true", help="print the report as one JSON line")

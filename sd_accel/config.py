@@ -10,6 +10,7 @@ PRECISION = ("auto", "fp32", "fp16", "bf16")
 VAE_PRECISION = ("auto", "fp32", "same")
 OFFLOAD = ("none", "medvram", "lowvram")
 BACKENDS = ("auto", "onnxruntime", "openvino", "tensorrt")
+ENGINE_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int8-dynamic")
 
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -33,6 +34,10 @@ class AccelConfig:
     - ``engines``: swap in the engines that ``build_engines`` put in ``engine_dir`` (default
       ``SD_ACCEL_ENGINE_DIR`` or ``./engines``) for ``backend``. A call no engine covers runs
       torch, warns once and is counted in ``stats(pipe)``, unless ``engine_fallback=False``.
+    - ``engine_precision``: when engines of several precisions cover a call (an ``int8`` and a
+      ``bf16`` UNet, say), use this one first; components without an engine of that precision
+      use the others. ``None``: static engines first, then the nearest profile, then the faster
+      precision (int8 before bf16/fp16 before fp32).
 
     >>> AccelConfig(precision="fp16", sampler="Euler a").precision
     'fp16'
@@ -51,6 +56,7 @@ class AccelConfig:
     engine_dir: str | None = None
     backend: str = "auto"
     engine_fallback: bool = True
+    engine_precision: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISION)
@@ -58,6 +64,8 @@ class AccelConfig:
         _check_choice("vae_precision", self.vae_precision, VAE_PRECISION)
         _check_choice("offload", self.offload, OFFLOAD)
         _check_choice("backend", self.backend, BACKENDS)
+        if self.engine_precision is not None:
+            _check_choice("engine_precision", self.engine_precision, ENGINE_PRECISIONS)
         for flag in ("nan_check", "vae_slicing", "vae_tiling", "engines", "engine_fallback"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"AccelConfig.{flag} must be True or False, got {getattr(self, flag)!r}")

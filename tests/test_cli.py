@@ -87,7 +87,7 @@ def test_build_list_generate_delete_prune(tmp_path):
 
     out = tmp_path / "img.png"
     report = _json(sd_accel("generate", "--engines", "--engine-dir", engines, "--size", "64x64", "--steps", "2",
-                            "--sampler", "Euler", "--out", str(out), "--json"))
+                            "--sampler", "Euler", "--engine-precision", "fp32", "--out", str(out), "--json"))
     assert report["components"]["unet"] == "engine"
     assert report["components"]["vae_decoder"] == "engine"
     assert out.exists()

@@ -82,3 +82,93 @@ def test_dynamic_engine_serves_a_size_between_min_and_max(built):
             "encoder_hidden_states": torch.randn(1, 77, runner.shapes["encoder_hidden_states"][0][2])}
     out = runner.infer(feed)["latent"]
     assert out.shape == (1, 4, 10, 11) and torch.isfinite(out).all()
+
+
+needs_nncf = pytest.mark.skipif(not OpenVinoBackend().precisions().count("int8"),
+                                reason="OpenVINO int8 needs NNCF, which is not installed")
+
+
+@pytest.fixture(scope="module")
+def int8_built(tmp_path_factory):
+    """A float and an int8 UNet engine for the same profile, in one engine folder."""
+    engine_dir = tmp_path_factory.mktemp("ov-int8")
+    pipe = load_pipeline("builtin:tiny-sd15")
+    records = {}
+    for precision in ("int8", "fp32"):
+        (records[precision],) = build_engines(pipe, profiles=[STATIC], backend="openvino", precision=precision,
+                                              components=["unet"], engine_dir=engine_dir, progress=False)
+    return engine_dir, records
+
+
+def test_int8_keeps_the_latent_input_and_full_resolution_decoder_convolutions_in_float(tmp_path):
+    import openvino as ov
+
+    from sd_accel.components import specs_for
+    from sd_accel.onnx.export import onnx_artifact
+    from sd_accel.quantize.openvino import float_convolutions
+
+    spec = specs_for(load_pipeline("builtin:tiny-sd15"))["unet"]
+    names = float_convolutions(ov.convert_model(str(onnx_artifact(spec, tmp_path))))
+    assert any("conv_in" in n for n in names) and any("conv_out" in n for n in names)
+    # the last decoder level (up_blocks.1 of the two-level tiny UNet) stays float, the encoder does not
+    assert any("up_blocks.1/resnets.1/conv2" in n for n in names)
+    assert not any("down_blocks" in n or "mid_block" in n for n in names)
+
+
+@needs_nncf
+def test_int8_engine_is_quantized_validated_and_recorded(int8_built):
+
+    engine_dir, records = int8_built
+    rec = records["int8"]
+    assert rec.status == "ok" and rec.key.precision == "int8" and "int8" in rec.key.name
+    assert 0 < rec.validation["rel_l2"] <= 0.1  # measured on held-out captured steps, kept in the index
+    assert list((engine_dir / "calibration").glob("*-unet-*.npz"))
+    from sd_accel import EngineCache
+
+    runner = OpenVinoBackend().load(EngineCache(engine_dir).engine_dir(rec.key), rec.files, rec.shapes)
+    ran = {(op.get_rt_info()["layerType"].astype(str), op.get_rt_info()["runtimePrecision"].astype(str))
+           for op in runner.compiled.get_runtime_model().get_ops()}
+    # convolutions and linear layers run int8 kernels; the kept convolutions run in float
+    assert ("Convolution", "u8") in ran and ("FullyConnected", "u8") in ran
+    assert ("Convolution", "bf16" if has_bf16() else "f32") in ran
+
+
+@needs_nncf
+def test_engine_precision_picks_int8_or_float_when_both_cover_the_call(int8_built):
+    engine_dir, records = int8_built
+
+    def used(**config):
+        pipe = accelerate(load_pipeline("builtin:tiny-sd15"),
+                          AccelConfig(precision="fp32", sampler="Euler", engines=True, engine_dir=str(engine_dir),
+                                      backend="openvino", **config))
+        pipe("a cat", num_inference_steps=2, height=64, width=64, output_type="np")
+        return set(stats(pipe)["unet"]["engines_used"])
+
+    assert used(engine_precision="fp32") == {records["fp32"].key.name}
+    assert used(engine_precision="int8") == {records["int8"].key.name}
+    assert used() == {records["int8"].key.name}  # no preference: the faster precision among equals
+    with pytest.raises(ValueError, match="engine_precision"):
+        AccelConfig(engine_precision="int4")
+
+
+@needs_nncf
+def test_cancelling_an_int8_build_during_quantization_keeps_nothing(tmp_path):
+    import threading
+
+    from sd_accel import EngineCache
+    from sd_accel.build import BuildCancelled
+
+    cancel = threading.Event()
+    stages = []
+
+    def progress(ev):
+        stages.append(ev.stage)
+        if "calibration sample" in ev.stage:
+            cancel.set()  # the next per-sample tick inside NNCF stops the build
+
+    with pytest.raises(BuildCancelled):
+        build_engines(load_pipeline("builtin:tiny-sd15"), profiles=[STATIC], backend="openvino", precision="int8",
+                      components=["unet"], engine_dir=tmp_path, progress=progress, cancel=cancel)
+    assert any("calibration sample" in s for s in stages)
+    assert not EngineCache(tmp_path).find(component="unet")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(("unet.", ".tmp-"))]

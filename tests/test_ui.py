@@ -85,6 +85,7 @@ def test_settings_validate_and_map_to_builds(tmp_path):
     assert state.cache().root == tmp_path and state.backend == "onnxruntime"
     assert state.build_precision() == "auto"  # bf16 is a torch precision, not an engine one
     assert state.build_precision("fp16") == "fp16"
+    assert state.build_precision("int8") == "int8"  # the engine dropdown offers the quantized ones too
     state.apply_settings("  ", "auto", "fp32")
     assert state.engine_dir is None and state.build_precision() == "fp32"
 

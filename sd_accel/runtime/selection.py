@@ -49,21 +49,31 @@ class EngineHandle:
         return self.runner
 
 
-class ComponentEngines:
-    """Chooses, for each call, a covering engine: static ones first, then the nearest to opt."""
+# Among engines that cover a call equally well, the faster precision goes first.
+_PRECISION_RANK = {"int8": 0, "int8-dynamic": 1, "fp16": 2, "bf16": 3, "fp32": 4}
 
-    def __init__(self, component: str, handles: list[EngineHandle], fallback: bool = True) -> None:
+
+class ComponentEngines:
+    """Chooses, for each call, a covering engine: the preferred precision (when one is set) first,
+    then static ones, then the nearest to opt, then the faster precision."""
+
+    def __init__(self, component: str, handles: list[EngineHandle], fallback: bool = True,
+                 prefer_precision: str | None = None) -> None:
         self.component = component
         self.handles = handles
         self.fallback_allowed = fallback
+        self.prefer_precision = prefer_precision
         self.stats = ComponentStats()
+
+    def _order(self, handle: EngineHandle, feed: dict[str, torch.Tensor]) -> tuple:
+        precision = handle.record.key.precision
+        return (self.prefer_precision is not None and precision != self.prefer_precision,
+                not handle.static, distance(handle.shapes, feed), _PRECISION_RANK.get(precision, 9))
 
     def run(self, feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Engine outputs for ``feed``, or None when the caller must run torch (already counted)."""
         live = [h for h in self.handles if h.broken is None]
-        candidates = sorted(
-            (h for h in live if covers(h.shapes, feed)), key=lambda h: (not h.static, distance(h.shapes, feed))
-        )
+        candidates = sorted((h for h in live if covers(h.shapes, feed)), key=lambda h: self._order(h, feed))
         if not candidates:
             got = ", ".join(f"{k}={tuple(v.shape)}" for k, v in feed.items())
             reason = (f"no engine covers {got}" if live else "no usable engine for this model")

@@ -68,8 +68,9 @@ def _handles(cache, backend, component: str, fingerprint: str) -> tuple[list[Eng
     return handles, refused
 
 
-def swap_engines(pipe, cache, backend, fallback: bool = True) -> dict[str, int]:
+def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: str | None = None) -> dict[str, int]:
     """Replace each module that has engines in ``cache`` with its engine-backed stand-in.
+    ``prefer_precision``: engines of that precision are tried first (``AccelConfig.engine_precision``).
 
     Returns how many usable engines each component got. Components without engines stay torch;
     engines of another arch or backend version are never loaded, and the log says why.
@@ -92,7 +93,7 @@ def swap_engines(pipe, cache, backend, fallback: bool = True) -> dict[str, int]:
             for why in refused:
                 log.warning("not loading engine %s", why)
             found[component] = len(handles)
-            engines[component] = ComponentEngines(component, handles, fallback)
+            engines[component] = ComponentEngines(component, handles, fallback, prefer_precision)
         if not any(e.handles for e in engines.values()):
             continue
         wrapper = _wrap(slot, module, engines)

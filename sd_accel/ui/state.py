@@ -32,7 +32,8 @@ DEFAULT_MODEL = "builtin:tiny-sd15"
 COMPONENT_CHOICES = ("clip", "clip2", "unet", "vae_decoder", "vae_encoder")
 # vae_encoder only serves img2img; leaving it out by default keeps the first build shorter.
 DEFAULT_COMPONENTS = ("clip", "clip2", "unet", "vae_decoder")
-BUILD_PRECISIONS = ("auto", "fp32", "fp16")
+# what build_engines takes; a backend that cannot build one says so in the panel's status line
+BUILD_PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8", "int8-dynamic")
 ENGINE_HEADERS = ["component", "profile", "precision", "backend", "size", "rel_l2", "status", "last used",
                   "model", "name"]
 _POLL_S = 0.25  # how often a waiting build generator wakes to yield (keeps the page live)
@@ -291,8 +292,10 @@ class PanelState:
 
     def build_precision(self, requested: str | None = None) -> str:
         """The precision a build uses: the request, else Settings' when a build can use it, else auto."""
-        value = requested or self.precision
-        return value if value in BUILD_PRECISIONS else "auto"
+        if requested:
+            return requested if requested in BUILD_PRECISIONS else "auto"
+        # Settings hold a torch precision; only these mean the same for every engine backend
+        return self.precision if self.precision in ("fp32", "fp16") else "auto"
 
     # ---- pipelines
 

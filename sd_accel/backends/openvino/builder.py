@@ -6,16 +6,25 @@ DESIGN.md); dynamic profiles compile with bounded dimensions. ``bf16`` sets Open
 ``INFERENCE_PRECISION_HINT``: weights and activations run in bf16 on CPUs with AVX512-BF16 or
 AMX, with fp32 accumulation. The compiled blob is tied to the CPU class and the OpenVINO version,
 which are both part of the engine key.
+
+``int8`` quantizes the converted model with NNCF first (``sd_accel.quantize.openvino``: int8
+weights and activations from calibration feeds, the layers that cannot take it kept in float),
+then compiles it like ``bf16`` (or ``fp32`` on CPUs without bf16): int8 runs on VNNI/AMX.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sd_accel.backends.base import BackendInfo, EngineError, Progress, ShapeRanges
 from sd_accel.device import cpu_class, cpu_flags
+
+if TYPE_CHECKING:
+    from sd_accel.quantize.calibration import CalibrationSet
 
 ENGINE_FILE = "engine.blob"
 META_FILE = "engine.json"  # the compile options: import_model must get them again
@@ -28,10 +37,15 @@ def has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def _has_nncf() -> bool:
+    return importlib.util.find_spec("nncf") is not None
+
+
 def core_config(precision: str) -> dict[str, str]:
     """Compile options: one latency-optimised stream, the precision hint, optional thread count
     (``SD_ACCEL_OV_THREADS``)."""
-    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": _HINT[precision]}
+    hint = _HINT.get(precision) or ("bf16" if has_bf16() else "f32")  # int8: the float rest
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": hint}
     threads = int(os.environ.get("SD_ACCEL_OV_THREADS", "0"))
     if threads:
         config["INFERENCE_NUM_THREADS"] = str(threads)
@@ -60,14 +74,24 @@ class OpenVinoBackend:
         return BackendInfo(self.name, ov.__version__.split("-")[0], cpu_class(), True)
 
     def precisions(self) -> tuple[str, ...]:
-        return ("fp32", "bf16") if has_bf16() else ("fp32",)
+        floats = ("fp32", "bf16") if has_bf16() else ("fp32",)
+        return floats + (("int8",) if _has_nncf() else ())
 
     def build(
-        self, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path, progress: Progress
+        self,
+        onnx_path: Path,
+        shapes: ShapeRanges,
+        precision: str,
+        out_dir: Path,
+        progress: Progress,
+        calibration: CalibrationSet | None = None,
     ) -> list[str]:
-        """Convert, reshape, compile and export; returns the engine file names in ``out_dir``."""
+        """Convert, reshape, (quantize,) compile and export; returns the engine file names in
+        ``out_dir``. ``calibration``: the feeds ``int8`` needs; ignored otherwise."""
         if precision not in self.precisions():
             why = "" if has_bf16() else " (bf16 needs a CPU with AVX512-BF16 or AMX)"
+            if precision == "int8" and not _has_nncf():
+                why = " (int8 needs NNCF: pip install nncf)"
             raise EngineError(f"openvino backend builds {self.precisions()} here, not {precision!r}{why}")
         try:
             import openvino as ov
@@ -81,13 +105,17 @@ class OpenVinoBackend:
             if missing:
                 raise EngineError(f"{onnx_path.name} has no inputs {sorted(missing)}; it has {sorted(names)}")
             model.reshape(_partial_shapes(shapes))
+            if precision == "int8":
+                from sd_accel.quantize.openvino import quantize_openvino
+
+                model = quantize_openvino(model, calibration, lambda f, m: progress(0.1 + 0.4 * f, m))
             progress(0.5, f"compiling for {cpu_class()} ({precision})")
             compiled = ov.Core().compile_model(model, "CPU", core_config(precision))
             del model
             progress(0.85, "exporting compiled model")
             (out_dir / ENGINE_FILE).write_bytes(compiled.export_model().getbuffer())
             (out_dir / META_FILE).write_text(json.dumps({"precision": precision}))
-        except EngineError:
+        except EngineError:  # BuildCancelled is one too
             raise
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
             raise EngineError(f"OpenVINO could not build {onnx_path.name}: {exc}") from exc
