@@ -104,6 +104,30 @@ def build_engines(
     return records
 
 
+def engine_components(pipe) -> list[str]:
+    """The components of ``pipe`` that engines can be built for (``clip2`` only on SDXL, ...).
+
+    >>> engine_components(load_pipeline("builtin:tiny-sd15"))  # doctest: +SKIP
+    ['clip', 'unet', 'vae_decoder', 'vae_encoder']
+    """
+    from sd_accel.components import specs_for
+    from sd_accel.runtime.swap import torch_modules
+
+    with torch_modules(pipe):
+        return list(specs_for(pipe))
+
+
+def built_from(pipe, record) -> bool:
+    """Whether the cached engine ``record`` was built from ``pipe``'s current weights."""
+    from sd_accel.components import specs_for
+    from sd_accel.onnx.fingerprint import fingerprint
+    from sd_accel.runtime.swap import torch_modules
+
+    with torch_modules(pipe):
+        spec = specs_for(pipe).get(record.key.component)
+        return spec is not None and fingerprint(spec.torch_module()) == record.key.model
+
+
 def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Progress, validate_it: bool,
               *, model_id: str | None = None, record_extra: Callable[[object], dict] | None = None):
     """Build (or reuse) one engine for one spec and profile, validated and committed to the cache.

@@ -60,11 +60,11 @@ def _profiles(args: argparse.Namespace):
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from sd_accel import build_engines, load_pipeline
-    from sd_accel.components import specs_for
+    from sd_accel.build import engine_components
 
     preset, profiles = _profiles(args)
     pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
-    components = _components(args.components, list(specs_for(pipe)))
+    components = _components(args.components, engine_components(pipe))
     start = time.perf_counter()
     records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,
                             components=components, engine_dir=args.engine_dir, progress=not args.json)

@@ -172,3 +172,24 @@ def test_cancelling_an_int8_build_during_quantization_keeps_nothing(tmp_path):
     assert any("calibration sample" in s for s in stages)
     assert not EngineCache(tmp_path).find(component="unet")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(("unet.", ".tmp-"))]
+
+
+@needs_nncf
+def test_int8_dynamic_profile_serves_sizes_between_min_and_max(tmp_path):
+    (rec,) = build_engines(load_pipeline("builtin:tiny-sd15"), profiles=[DYNAMIC], backend="openvino",
+                           precision="int8", components=["unet"], engine_dir=tmp_path, progress=False)
+    assert rec.key.precision == "int8" and rec.validation["rel_l2"] <= 0.1
+    pipe = accelerate(load_pipeline("builtin:tiny-sd15"),
+                      AccelConfig(precision="fp32", sampler="Euler", engines=True, engine_dir=str(tmp_path),
+                                  backend="openvino", engine_fallback=False))
+    image = pipe("a cat", num_inference_steps=2, height=80, width=96, output_type="np").images
+    assert image.shape == (1, 80, 96, 3) and np.isfinite(image).all()
+    assert stats(pipe)["unet"]["engine_calls"] == 2
+
+
+@needs_nncf
+def test_int8_sdxl_unet_with_its_extra_conditioning_inputs(tmp_path):
+    (rec,) = build_engines(load_pipeline("builtin:tiny-sdxl"), profiles=[STATIC], backend="openvino",
+                           precision="int8", components=["unet"], engine_dir=tmp_path, progress=False)
+    assert rec.key.precision == "int8" and 0 < rec.validation["rel_l2"] <= 0.1
+    assert {"text_embeds", "time_ids"} <= set(rec.shapes)  # calibrated on every UNet input

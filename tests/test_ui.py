@@ -230,3 +230,16 @@ def test_launch_listens_locally_unless_asked(tmp_path, monkeypatch):
     assert seen["server_name"] == "127.0.0.1" and seen["server_port"] == 7999 and not seen["share"]
     app_module.launch(listen=True, engine_dir=str(tmp_path), block=False)
     assert seen["server_name"] == "0.0.0.0" and seen["prevent_thread_lock"]
+
+
+def test_cancel_after_the_first_engine_keeps_it_and_says_so(tmp_path):
+    state = PanelState(engine_dir=str(tmp_path))
+    updates = []
+    for update in state.build(BuildRequest(profile=STATIC_64, components=("unet", "vae_decoder"))):
+        updates.append(update)
+        if "Engine 2 of 2" in update.text and not state._cancel.is_set():
+            state.cancel_build()
+    final = updates[-1]
+    assert final.done and not final.ok and "Cancelled" in final.text
+    assert "kept" in final.text and "unet" in final.text.split("kept", 1)[1]
+    assert [r.key.component for r in state.cache().list()] == ["unet"]

@@ -144,7 +144,10 @@ def test_build_generate_delete_in_browser(app, page):
     expect(progress).to_contain_text("Engine 1 of 3", timeout=BUILD_TIMEOUT_MS)
     page.locator("#sd-accel-cancel").click()
     expect(progress).to_contain_text("Cancelled", timeout=BUILD_TIMEOUT_MS)
-    expect(page.locator("#sd-accel-disk").first).to_contain_text("0 engines")
+    # On a busy machine an engine may finish before the cancel lands: those are listed and kept,
+    # the one in progress is not.
+    kept = progress.inner_text().count(": done")
+    expect(page.locator("#sd-accel-disk").first).to_contain_text("1 engine," if kept == 1 else f"{kept} engines")
 
     # The real build: live progress (a percentage) first, then the table fills.
     page.locator("#sd-accel-build").click()

@@ -486,15 +486,16 @@ def _final(item: tuple, finished: list[str], seconds: float) -> BuildUpdate:
         return BuildUpdate(f"**Done**: {len(payload)} engine(s) ready in {seconds:.1f} s.\n{done}{note}",
                            1.0, True, True, payload)
     if kind == "cancelled":
-        return BuildUpdate("**Cancelled**: nothing partial was kept.", 0.0, True, False)
+        kept = f"\nFinished before the cancel, and kept:\n{done}" if finished else ""
+        return BuildUpdate(f"**Cancelled**: nothing partial was kept.{kept}", 0.0, True, False)
     return BuildUpdate(f"**Build failed**: {payload}", 0.0, True, False)
 
 
 def _components_of(pipe, wanted: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """Split the ticked components into those the pipeline has and those it lacks (clip2 on SD 1.x)."""
-    from sd_accel.components import specs_for
+    from sd_accel.build import engine_components
 
-    have = specs_for(pipe)
+    have = engine_components(pipe)
     if not wanted:
         raise ValueError("tick at least one component to build")
     return [c for c in wanted if c in have], [c for c in wanted if c not in have]
@@ -502,11 +503,9 @@ def _components_of(pipe, wanted: tuple[str, ...]) -> tuple[list[str], list[str]]
 
 def _check_same_model(pipe, record) -> None:
     """ValueError unless ``record`` was built from this pipeline's weights (see ``rebuild``)."""
-    from sd_accel.components import specs_for
-    from sd_accel.onnx.fingerprint import fingerprint
+    from sd_accel.build import built_from
 
-    spec = specs_for(pipe).get(record.key.component)
-    if spec is None or fingerprint(spec.torch_module()) != record.key.model:
+    if not built_from(pipe, record):
         raise ValueError(
             f"engine {record.name} was built from another model than the one picked; pick that model "
             "first (its fingerprint starts " + record.key.model[:12] + ")"
