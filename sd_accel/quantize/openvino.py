@@ -18,7 +18,6 @@ after the last upsampling.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from sd_accel.backends.base import EngineError, Progress
 from sd_accel.quantize.calibration import CalibrationSet
@@ -63,9 +62,9 @@ def _dataset(calibration: CalibrationSet, input_names: set[str], progress: Progr
     return nncf.Dataset(calibration.feeds, feed)
 
 
-def quantize_openvino(model, calibration: CalibrationSet | None, progress: Progress,
-                      keep_float: Callable[[object], list[str]] = float_convolutions):
-    """The INT8 version of an ``openvino.Model`` with static shapes, calibrated on ``calibration``.
+def quantize_openvino(model, calibration: CalibrationSet | None, progress: Progress):
+    """The INT8 version of an ``openvino.Model`` (reshaped to the engine's profile), calibrated on
+    ``calibration`` (feeds at the profile's opt shape).
 
     >>> int8_model = quantize_openvino(ov_model, calibration, lambda f, m: None)  # doctest: +SKIP
     """
@@ -79,7 +78,7 @@ def quantize_openvino(model, calibration: CalibrationSet | None, progress: Progr
     missing = names - set(calibration.feeds[0])
     if missing:
         raise EngineError(f"the calibration data has no inputs {sorted(missing)}; it has {sorted(calibration.feeds[0])}")
-    floats = keep_float(model)
+    floats = float_convolutions(model)
     log.info("int8: %d convolutions stay in float: %s", len(floats), ", ".join(floats))
     progress(0.0, f"quantizing with NNCF ({len(calibration)} calibration samples)")
     # NNCF logs every layer it skips at INFO; keep the build's own log readable.
