@@ -94,14 +94,24 @@ def build_engines(
         profs = _profiles(pipe, preset, profiles)
         jobs = [(specs[n], p) for n in names for p in profs]
         for index, (spec, profile) in enumerate(jobs):
-            def tick(frac: float, msg: str, _i=index, _s=spec, _p=profile) -> None:
-                if cancel is not None and cancel.is_set():
-                    raise BuildCancelled("build cancelled; no partial engine was kept")
-                report(BuildEvent(_i, len(jobs), _s.name, _p.tag, msg, frac))
-
+            tick = make_tick(report, cancel, index, len(jobs), spec.name, profile.tag)
             records.append(build_one(cache, be, info, spec, profile, precision, tick, validate))
     report(None)
     return records
+
+
+def make_tick(report: Callable[[BuildEvent], None], cancel: threading.Event | None, index: int, total: int,
+              component: str, profile_tag: str) -> Progress:
+    """The progress callback of one engine job: reports a BuildEvent, and raises BuildCancelled
+    once ``cancel`` is set, except on the job's final tick: by then the engine is committed to the
+    cache, and it must be reported as finished, not cancelled (the cancel stops the next job)."""
+
+    def tick(frac: float, msg: str) -> None:
+        if cancel is not None and cancel.is_set() and frac < 1.0:
+            raise BuildCancelled("build cancelled; no partial engine was kept")
+        report(BuildEvent(index, total, component, profile_tag, msg, frac))
+
+    return tick
 
 
 def engine_components(pipe) -> list[str]:

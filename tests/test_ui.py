@@ -243,3 +243,18 @@ def test_cancel_after_the_first_engine_keeps_it_and_says_so(tmp_path):
     assert final.done and not final.ok and "Cancelled" in final.text
     assert "kept" in final.text and "unet" in final.text.split("kept", 1)[1]
     assert [r.key.component for r in state.cache().list()] == ["unet"]
+
+
+def test_a_cancel_never_hides_an_engine_already_committed():
+    import threading
+
+    from sd_accel.build import BuildCancelled, make_tick
+
+    events, cancel = [], threading.Event()
+    tick = make_tick(events.append, cancel, 0, 2, "unet", "static.b1.h64.w64.t77")
+    tick(0.5, "building")
+    cancel.set()
+    tick(1.0, "done")  # the engine is in the cache by now: reported finished, not cancelled
+    assert [(e.stage, e.fraction) for e in events] == [("building", 0.5), ("done", 1.0)]
+    with pytest.raises(BuildCancelled):
+        tick(0.1, "exporting ONNX")

@@ -428,21 +428,10 @@ class PanelState:
 
     def _build_worker(self, req: BuildRequest, replace, cancel: threading.Event, events: queue.Queue) -> None:
         """Runs in the worker thread; owns the lock it was handed and releases it at the end."""
-        from sd_accel import build_engines
         from sd_accel.build import BuildCancelled
 
         try:
-            pipe = self.pipeline(req.model, None)
-            components, skipped = _components_of(pipe, req.components)
-            if replace is not None:
-                _check_same_model(pipe, replace)
-                self.cache().delete(replace.name)
-                self.engines_changed()
-            records = build_engines(
-                pipe, profiles=[req.profile], backend=req.backend or self.backend,
-                precision=self.build_precision(req.precision), components=components,
-                engine_dir=self.engine_dir, progress=events.put, cancel=cancel, validate=True,
-            )
+            records, skipped = self._build_records(req, replace, cancel, events.put)
             events.put(("done", records, skipped))
         except BuildCancelled:
             events.put(("cancelled", None, None))
@@ -453,6 +442,24 @@ class PanelState:
             self.engines_changed()
             self._cancel = None
             self._lock.release()
+
+    def _build_records(self, req: BuildRequest, replace, cancel: threading.Event, progress) -> tuple[list, list[str]]:
+        """The build itself (``replace``: the engine a rebuild deletes first); returns the records
+        and the ticked components this model lacks. The WebUI tab overrides this, not the worker."""
+        from sd_accel import build_engines
+
+        pipe = self.pipeline(req.model, None)
+        components, skipped = _components_of(pipe, req.components)
+        if replace is not None:
+            _check_same_model(pipe, replace)
+            self.cache().delete(replace.name)
+            self.engines_changed()
+        records = build_engines(
+            pipe, profiles=[req.profile], backend=req.backend or self.backend,
+            precision=self.build_precision(req.precision), components=components,
+            engine_dir=self.engine_dir, progress=progress, cancel=cancel, validate=True,
+        )
+        return records, skipped
 
 
 def _follow(events: queue.Queue, worker: threading.Thread, start: float) -> Iterator[BuildUpdate]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sd_accel.build import BuildCancelled, BuildEvent
+from sd_accel.build import BuildEvent, make_tick
 from sd_accel.components.ldm_unet import COMPONENT, LdmUNetSpec
 from sd_accel.profiles import Profile
 from sd_accel.webui import host
@@ -235,11 +235,7 @@ def build_loaded(
         with export_context(source.unet):
             spec = LdmUNetSpec(source.unet)
             for index, profile in enumerate(profiles):
-                def tick(frac: float, msg: str, _i=index, _p=profile) -> None:
-                    if cancel is not None and cancel.is_set():
-                        raise BuildCancelled("build cancelled; no partial engine was kept")
-                    report(BuildEvent(_i, len(profiles), COMPONENT, _p.tag, msg, frac))
-
+                tick = make_tick(report, cancel, index, len(profiles), COMPONENT, profile.tag)
                 records.append(_build_one(cache, be, info, spec, source, profile, precision, tick, validate))
     return records
 

@@ -17,7 +17,6 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-from sd_accel.build import BuildCancelled
 from sd_accel.components.ldm_unet import COMPONENT
 from sd_accel.ui.state import BuildRequest, GenerateRequest, PanelState, profile_from_tag
 from sd_accel.webui import host
@@ -89,45 +88,26 @@ class WebUIPanelState(PanelState):
             return self._run_build(req, record)
         return super().rebuild(name, model)
 
-    def _build_worker(self, req: BuildRequest, replace, cancel: threading.Event, events) -> None:
+    def _build_records(self, req: BuildRequest, replace, cancel: threading.Event, progress) -> tuple[list, list[str]]:
         """The WebUI's model: export its UNet. Other models: the panel's diffusers path."""
         if not is_webui_model(req.model):
             if replace is not None and replace.key.component == COMPONENT:
-                events.put(("error", ValueError("that engine is the WebUI's UNet: set the Model box to "
-                                                f"{WEBUI_MODEL} to rebuild it"), None))
-                self._finish_build()
-                return
-            super()._build_worker(req, replace, cancel, events)
-            return
+                raise ValueError(f"that engine is the WebUI's UNet: set the Model box to {WEBUI_MODEL} to rebuild it")
+            return super()._build_records(req, replace, cancel, progress)
         from sd_accel.webui.export import export_source
         from sd_accel.webui.jobs import build_for_checkpoint
 
-        try:
-            skipped = [c for c in req.components if c not in ("unet", COMPONENT)]
-            if replace is not None:
-                wid = export_source().weights_id
-                if replace.key.model != wid:
-                    raise ValueError(f"engine {replace.name} is for other weights ({replace.key.model}); "
-                                     f"the WebUI has {wid} loaded")
-                self.cache().delete(replace.name)
-            records = build_for_checkpoint(None, profile=req.profile, backend=req.backend or self.backend,
-                                           precision=self.build_precision(req.precision),
-                                           progress=events.put, cancel=cancel)
-            note = ["the WebUI's text encoders and VAE stay in PyTorch"] if skipped else []
-            events.put(("done", records, note))
-        except BuildCancelled:
-            events.put(("cancelled", None, None))
-        except Exception as exc:  # shown in the panel; the WebUI must survive any build failure
-            log.exception("sd-accel build failed")
-            events.put(("error", exc, None))
-        finally:
-            self._finish_build()
-
-    def _finish_build(self) -> None:
-        # What PanelState._build_worker's ``finally`` does: the worker owns the lock it was handed.
-        self.engines_changed()
-        self._cancel = None
-        self._lock.release()
+        skipped = [c for c in req.components if c not in ("unet", COMPONENT)]
+        if replace is not None:
+            wid = export_source().weights_id
+            if replace.key.model != wid:
+                raise ValueError(f"engine {replace.name} is for other weights ({replace.key.model}); "
+                                 f"the WebUI has {wid} loaded")
+            self.cache().delete(replace.name)
+        records = build_for_checkpoint(None, profile=req.profile, backend=req.backend or self.backend,
+                                       precision=self.build_precision(req.precision), progress=progress,
+                                       cancel=cancel)
+        return records, (["the WebUI's text encoders and VAE stay in PyTorch"] if skipped else [])
 
 
 # --------------------------------------------------------------------------- status
