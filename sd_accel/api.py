@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from sd_accel.config import AccelConfig
+from sd_accel.core import DeviceError, InvalidType
 from sd_accel.models.load import ModelInfo, load_pipeline
 from sd_accel.optimize.attention import apply_attention, resolve_attention
 from sd_accel.optimize.offload import apply_offload, apply_vae_memory
@@ -52,9 +53,9 @@ def resolve_device(requested: str) -> torch.device:
             return torch.device("cuda")
         return torch.device("cpu")
     if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device={requested!r} but torch sees no CUDA device (torch {torch.__version__})")
+        raise DeviceError(f"device={requested!r} but torch sees no CUDA device (torch {torch.__version__})")
     if requested == "mps" and not torch.backends.mps.is_available():
-        raise RuntimeError("device='mps' but this torch has no MPS support")
+        raise DeviceError("device='mps' but this torch has no MPS support")
     return torch.device(requested)
 
 
@@ -93,7 +94,7 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
     elif overrides:
         config = AccelConfig(**{**config.to_dict(), **overrides})
     if not isinstance(config, AccelConfig):
-        raise TypeError(f"config must be an AccelConfig, got {type(config).__name__}")
+        raise InvalidType(f"config must be an AccelConfig, got {type(config).__name__}")
     device = resolve_device(config.device)
     dtype = resolve_precision(config.precision, device)
     attention = resolve_attention(config.attention, device)

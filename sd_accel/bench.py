@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from sd_accel.core import BenchError
+
 PROMPT = "a photograph of an astronaut riding a horse on mars, highly detailed"
 CPU_VARIANTS = ("diffusers", "sd-accel-torch", "ort-fp32", "openvino-fp32", "openvino-bf16", "openvino-int8",
                 "ort-int8", "ort-int8-dynamic")
@@ -383,7 +385,7 @@ def _worker(mode: str, cfg: BenchConfig, variant: str, work: Path, inprocess: bo
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not result.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
-        raise RuntimeError(f"{variant} {mode} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+        raise BenchError(f"{variant} {mode} failed (exit {proc.returncode}):\n" + "\n".join(tail))
     return json.loads(result.read_text())
 
 

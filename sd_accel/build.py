@@ -10,17 +10,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sd_accel.backends.base import EngineError, Progress
 from sd_accel.backends.registry import default_precision, get_backend
 from sd_accel.cache.key import EngineKey
+from sd_accel.core import BuildCancelled, EngineError, InvalidValue, Progress
 from sd_accel.profiles import Profile, default_preset
 from sd_accel.profiles import preset as preset_profile
 
 log = logging.getLogger("sd_accel")
-
-
-class BuildCancelled(EngineError):
-    """The build was cancelled; nothing partial was left in the cache."""
 
 
 @dataclass
@@ -38,10 +34,10 @@ class BuildEvent:
 def _profiles(pipe, preset: str | None, profiles: Iterable | None) -> list[Profile]:
     if profiles is not None:
         if preset is not None:
-            raise ValueError("give preset= or profiles=, not both")
+            raise InvalidValue("give preset= or profiles=, not both")
         out = [Profile.of(p) for p in profiles]
         if not out:
-            raise ValueError("profiles= is empty")
+            raise InvalidValue("profiles= is empty")
         return out
     family = getattr(getattr(pipe, "sd_accel_model", None), "family", None) or (
         "sdxl" if hasattr(pipe, "text_encoder_2") else "sd15"
@@ -55,7 +51,7 @@ def _components(specs: dict, components: Iterable[str] | None) -> list[str]:
     wanted = list(components)
     unknown = [c for c in wanted if c not in specs]
     if unknown:
-        raise ValueError(f"components {unknown} are not in this pipeline; it has: {', '.join(specs)}")
+        raise InvalidValue(f"components {unknown} are not in this pipeline; it has: {', '.join(specs)}")
     return wanted
 
 
@@ -85,7 +81,7 @@ def build_engines(
     info = be.info()
     precision = default_precision(be.name) if precision == "auto" else precision
     if precision not in be.precisions():
-        raise ValueError(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
+        raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
     report = _reporter(progress)
     records = []
     with torch_modules(pipe):
@@ -165,7 +161,7 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
         shapes = spec.shape_ranges(profile)
         extra, holdout = {}, None
         if precision == "int8":  # static INT8: calibration feeds captured from real prompt runs (cached)
-            from sd_accel.quantize import calibration_for, split_holdout
+            from sd_accel.calibration import calibration_for, split_holdout
 
             tick(0.4, "capturing calibration data from prompt runs")
             extra["calibration"], holdout = split_holdout(calibration_for(spec, profile, cache.root))

@@ -7,6 +7,8 @@ import json
 import time
 from typing import Any
 
+from sd_accel.core import InvalidValue
+
 COMPONENT_ALIASES = {
     "clip": ("clip", "clip2"),
     "unet": ("unet",),
@@ -44,16 +46,16 @@ def _profiles(args: argparse.Namespace):
 
     ranges = {k: getattr(args, k) for k in ("batch", "height", "width", "tokens") if getattr(args, k)}
     if args.preset and ranges:
-        raise ValueError("give --preset or explicit ranges (--batch/--height/--width/--tokens), not both")
+        raise InvalidValue("give --preset or explicit ranges (--batch/--height/--width/--tokens), not both")
     if not ranges:
         return args.preset, None
     if args.static:
         bad = [k for k, (lo, _, hi) in ranges.items() if lo != hi]
         if bad:
-            raise ValueError(f"--static needs single values, got ranges for {', '.join(bad)}")
+            raise InvalidValue(f"--static needs single values, got ranges for {', '.join(bad)}")
     missing = [k for k in ("height", "width") if k not in ranges]
     if missing:
-        raise ValueError(f"explicit ranges need --height and --width (missing: {', '.join(missing)})")
+        raise InvalidValue(f"explicit ranges need --height and --width (missing: {', '.join(missing)})")
     ranges.setdefault("batch", (1, 1, 1))
     return None, [Profile(**ranges)]
 
@@ -130,7 +132,7 @@ def _cmd_delete(args: argparse.Namespace) -> int:
 
     cache = EngineCache(args.engine_dir)
     if not cache.delete(args.key):
-        raise ValueError(f"no engine named {args.key!r} in {cache.root}; `sd-accel list` shows the names")
+        raise InvalidValue(f"no engine named {args.key!r} in {cache.root}; `sd-accel list` shows the names")
     print(f"deleted {args.key}")
     return 0
 
@@ -139,7 +141,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     from sd_accel.cache.store import EngineCache, format_size, parse_age, parse_size
 
     if args.max_size is None and args.older_than is None:
-        raise ValueError("prune needs --max-size and/or --older-than")
+        raise InvalidValue("prune needs --max-size and/or --older-than")
     cache = EngineCache(args.engine_dir)
     removed = cache.prune(max_bytes=parse_size(args.max_size) if args.max_size else None,
                           older_than_s=parse_age(args.older_than) if args.older_than else None)

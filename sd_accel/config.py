@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sd_accel.core import InvalidValue
+
 ATTENTION = ("auto", "xformers", "sdpa", "sliced")
 PRECISION = ("auto", "fp32", "fp16", "bf16")
 VAE_PRECISION = ("auto", "fp32", "same")
@@ -15,7 +17,7 @@ ENGINE_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int8-dynamic")
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"AccelConfig.{field}={value!r} is not valid; allowed: {', '.join(allowed)}")
+        raise InvalidValue(f"AccelConfig.{field}={value!r} is not valid; allowed: {', '.join(allowed)}")
 
 
 @dataclass
@@ -68,11 +70,11 @@ class AccelConfig:
             _check_choice("engine_precision", self.engine_precision, ENGINE_PRECISIONS)
         for flag in ("nan_check", "vae_slicing", "vae_tiling", "engines", "engine_fallback"):
             if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"AccelConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
+                raise InvalidValue(f"AccelConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")
         ):
-            raise ValueError(f"AccelConfig.device={self.device!r} is not valid; allowed: auto, cpu, cuda, cuda:N, mps")
+            raise InvalidValue(f"AccelConfig.device={self.device!r} is not valid; allowed: auto, cpu, cuda, cuda:N, mps")
         if self.sampler is not None:
             from sd_accel.samplers import resolve
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sd_accel.core import InvalidValue
+
 Range = tuple[int, int, int]
 TOKEN_CHUNK = 77  # 75 prompt tokens + start + end; longer prompts come in multiples of 77
 
@@ -20,9 +22,9 @@ def _range(name: str, value: Any) -> Range:
     try:
         lo, opt, hi = (int(v) for v in value)
     except (TypeError, ValueError):
-        raise ValueError(f"Profile.{name} must be an int or a (min, opt, max) tuple, got {value!r}") from None
+        raise InvalidValue(f"Profile.{name} must be an int or a (min, opt, max) tuple, got {value!r}") from None
     if not 0 < lo <= opt <= hi:
-        raise ValueError(f"Profile.{name} needs 0 < min <= opt <= max, got {(lo, opt, hi)}")
+        raise InvalidValue(f"Profile.{name} needs 0 < min <= opt <= max, got {(lo, opt, hi)}")
     return lo, opt, hi
 
 
@@ -45,9 +47,9 @@ class Profile:
         for name in ("height", "width"):
             bad = [v for v in getattr(self, name) if v % 8]
             if bad:
-                raise ValueError(f"Profile.{name} values must be multiples of 8 pixels, got {getattr(self, name)}")
+                raise InvalidValue(f"Profile.{name} values must be multiples of 8 pixels, got {getattr(self, name)}")
         if any(v % TOKEN_CHUNK for v in (self.tokens[0], self.tokens[2])):
-            raise ValueError(f"Profile.tokens min and max must be multiples of {TOKEN_CHUNK}, got {self.tokens}")
+            raise InvalidValue(f"Profile.tokens min and max must be multiples of {TOKEN_CHUNK}, got {self.tokens}")
 
     @classmethod
     def of(cls, value: Profile | dict[str, Any]) -> Profile:
@@ -55,13 +57,13 @@ class Profile:
         if isinstance(value, Profile):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"a profile must be a Profile or a dict, got {type(value).__name__}")
+            raise InvalidValue(f"a profile must be a Profile or a dict, got {type(value).__name__}")
         unknown = set(value) - {"batch", "height", "width", "tokens"}
         if unknown:
-            raise ValueError(f"unknown profile fields {sorted(unknown)}; use batch, height, width, tokens")
+            raise InvalidValue(f"unknown profile fields {sorted(unknown)}; use batch, height, width, tokens")
         missing = {"batch", "height", "width"} - set(value)
         if missing:
-            raise ValueError(f"profile dict lacks {sorted(missing)}")
+            raise InvalidValue(f"profile dict lacks {sorted(missing)}")
         return cls(**value)
 
     @property
@@ -100,7 +102,7 @@ def preset(name: str) -> Profile:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}") from None
+        raise InvalidValue(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}") from None
 
 
 def default_preset(family: str) -> str:

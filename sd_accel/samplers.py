@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sd_accel.core import InvalidType, InvalidValue, MissingDependency
+
 AUTOMATIC = "Automatic"
 
 # Schedule types, in the WebUI's dropdown order. Sigma-based ones also pin timestep_spacing to
@@ -286,11 +288,11 @@ def resolve(name: str, schedule: str | None = None) -> SamplerPreset:
     sampler, suffix = _split(name)
     wanted = _find_schedule(schedule) if schedule is not None else AUTOMATIC
     if suffix not in (None, AUTOMATIC) and wanted not in (AUTOMATIC, suffix):
-        raise ValueError(f"{name!r} already names the {suffix} schedule, but schedule={schedule!r} was given")
+        raise InvalidValue(f"{name!r} already names the {suffix} schedule, but schedule={schedule!r} was given")
     if suffix not in (None, AUTOMATIC):
         wanted = suffix
     if wanted not in sampler.schedules:
-        raise ValueError(
+        raise InvalidValue(
             f"{sampler.name} cannot use the {wanted} schedule in diffusers; "
             f"it supports: {', '.join(sampler.schedules)}"
         )
@@ -342,7 +344,7 @@ def _build_preset(sampler: _Sampler, schedule: str, name: str) -> SamplerPreset:
 def _build_scheduler(preset: SamplerPreset, base_config: Any):
     if preset.missing:
         packages = " ".join(preset.missing)
-        raise ImportError(
+        raise MissingDependency(
             f"The {preset.name!r} sampler needs {', '.join(preset.missing)}, which is not installed "
             f"(pip install {packages})"
         )
@@ -361,7 +363,7 @@ def _model_config(base_config: Any) -> dict[str, Any]:
         return dict(remembered)
     config = getattr(base_config, "config", base_config)
     if not isinstance(config, Mapping):
-        raise TypeError(f"expected a scheduler, its config or a dict, got {type(base_config).__name__}")
+        raise InvalidType(f"expected a scheduler, its config or a dict, got {type(base_config).__name__}")
     return dict(config)
 
 
@@ -378,20 +380,20 @@ def _split(name: str) -> tuple[_Sampler, str | None]:
     for sched_key, label in _UNSUPPORTED_SCHEDULE_INDEX.items():
         prefix = key[: -len(sched_key)]
         if key.endswith(sched_key) and prefix in _SAMPLER_INDEX:
-            raise ValueError(
+            raise InvalidValue(
                 f"{name!r}: the {label} schedule is not available: {_UNSUPPORTED_SCHEDULES[label]}"
             )
     for sched_key in _SCHEDULE_INDEX:
         prefix = key[: -len(sched_key)]
         if key.endswith(sched_key) and prefix:
             _raise_if_unsupported_sampler(prefix, name)
-    raise ValueError(f"unknown sampler {name!r}{_suggest(name, list_presets(), list_samplers())}")
+    raise InvalidValue(f"unknown sampler {name!r}{_suggest(name, list_presets(), list_samplers())}")
 
 
 def _raise_if_unsupported_sampler(key: str, name: str) -> None:
     if key in _UNSUPPORTED_SAMPLER_INDEX:
         label = _UNSUPPORTED_SAMPLER_INDEX[key]
-        raise ValueError(
+        raise InvalidValue(
             f"{name!r}: the {label} sampler is not available: {_UNSUPPORTED_SAMPLERS[label]}. "
             f"Available samplers: {', '.join(list_samplers())}"
         )
@@ -402,7 +404,7 @@ def _find_sampler(name: str) -> _Sampler:
     if key in _SAMPLER_INDEX:
         return _SAMPLER_INDEX[key]
     _raise_if_unsupported_sampler(key, name)
-    raise ValueError(f"unknown sampler {name!r}{_suggest(name, list_samplers(), list_samplers())}")
+    raise InvalidValue(f"unknown sampler {name!r}{_suggest(name, list_samplers(), list_samplers())}")
 
 
 def _find_schedule(name: str) -> str:
@@ -411,8 +413,8 @@ def _find_schedule(name: str) -> str:
         return _SCHEDULE_INDEX[key]
     if key in _UNSUPPORTED_SCHEDULE_INDEX:
         label = _UNSUPPORTED_SCHEDULE_INDEX[key]
-        raise ValueError(f"the {label} schedule is not available: {_UNSUPPORTED_SCHEDULES[label]}")
-    raise ValueError(
+        raise InvalidValue(f"the {label} schedule is not available: {_UNSUPPORTED_SCHEDULES[label]}")
+    raise InvalidValue(
         f"unknown schedule type {name!r}{_suggest(name, list(_ALL_SCHEDULES), list(_ALL_SCHEDULES))}"
     )
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from sd_accel.backends.base import EngineError
 from sd_accel.cache import store
 from sd_accel.cache.key import EngineKey
 from sd_accel.cache.store import (
@@ -26,6 +25,7 @@ from sd_accel.cache.store import (
     parse_age,
     parse_size,
 )
+from sd_accel.core import EngineError
 
 SHAPES = {"sample": ((1, 4, 8, 8), (2, 4, 8, 8), (2, 4, 16, 16)), "t": ((1,), (1,), (1,))}
 VALIDATION = {"max_abs": 1e-4, "rel_l2": 2e-5, "ok": True}

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from sd_accel import load_pipeline
-from sd_accel.errors import CheckpointError
+from sd_accel.core import CheckpointError
 from sd_accel.models.checkpoint import read_shapes
 from sd_accel.models.detect import detect
 from sd_accel.models.ldm_layout import save_single_file, to_original_layout

@@ -23,9 +23,8 @@ import torch
 from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-from sd_accel.backends.base import EngineError
-from sd_accel.cache.key import SPEC_VERSION
 from sd_accel.components import UNetSpec, specs_for
+from sd_accel.core import SPEC_VERSION, EngineError
 from sd_accel.models.families import CONFIG_ROOT
 from sd_accel.onnx import (
     clear_fingerprint,

@@ -103,9 +103,9 @@ def int8_built(tmp_path_factory):
 def test_int8_keeps_the_latent_input_and_full_resolution_decoder_convolutions_in_float(tmp_path):
     import openvino as ov
 
+    from sd_accel.backends.openvino.quantize import float_convolutions
     from sd_accel.components import specs_for
     from sd_accel.onnx.export import onnx_artifact
-    from sd_accel.quantize.openvino import float_convolutions
 
     spec = specs_for(load_pipeline("builtin:tiny-sd15"))["unet"]
     names = float_convolutions(ov.convert_model(str(onnx_artifact(spec, tmp_path))))

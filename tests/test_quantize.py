@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from sd_accel import EngineCache, build_engines, load_pipeline
-from sd_accel.backends.base import EngineError
+from sd_accel.calibration import calibration_for, capture_calibration
 from sd_accel.components import specs_for
+from sd_accel.core import CalibrationSet, EngineError
 from sd_accel.profiles import Profile
-from sd_accel.quantize import CalibrationSet, calibration_for, capture_calibration
 
 STATIC = dict(batch=1, height=64, width=64)
 
@@ -71,8 +71,8 @@ def test_dynamic_int8_needs_no_calibration(pipe, tmp_path):
 
 
 def test_static_int8_without_calibration_teaches(tmp_path, pipe):
+    from sd_accel.backends.onnxruntime.quantize import quantize_onnx
     from sd_accel.onnx.export import onnx_artifact
-    from sd_accel.quantize import quantize_onnx
 
     spec = specs_for(pipe)["unet"]
     path = onnx_artifact(spec, tmp_path)

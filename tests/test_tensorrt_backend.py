@@ -12,14 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from sd_accel.backends.base import EngineError
 from sd_accel.backends.registry import get_backend
 from sd_accel.backends.tensorrt.api_names import NameList
 from sd_accel.backends.tensorrt.builder import (
     ENGINE_FILE,
-    FP16_ONNX_FILE,
     TensorRTBackend,
-    fp16_onnx,
     profile_for,
     progress_monitor,
     timing_cache_path,
@@ -28,6 +25,8 @@ from sd_accel.backends.tensorrt.builder import (
 from sd_accel.backends.tensorrt.dryrun import dry_run, engine_plan
 from sd_accel.backends.tensorrt.runner import TensorRTRunner, torch_dtype
 from sd_accel.backends.tensorrt.versions import features, onnx_precision
+from sd_accel.core import EngineError
+from sd_accel.onnx.fp16 import FP16_ONNX_FILE, fp16_onnx
 
 TRT_OK, TRT_VERSION, TRT_WHY = trt_status()
 V10, V11 = "10.16.1.11", "11.4.0.106"

@@ -296,8 +296,8 @@ def test_build_path_runs_on_each_versions_names(version, precision, unet_onnx, t
 
 def test_the_10x_fp16_config_would_break_on_11x(unet_onnx, tmp_path):
     """The reason for the branch: polygraphy's fp16=True needs BuilderFlag.FP16, which 11.x lacks."""
-    from sd_accel.backends.base import EngineError
     from sd_accel.backends.tensorrt.builder import TensorRTBackend
+    from sd_accel.core import EngineError
 
     spec, onnx_path, root = unet_onnx
     shapes = spec.shape_ranges(spec_profile())

@@ -7,46 +7,14 @@ runner never pads, truncates or reshapes: a feed outside its shapes is refused (
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from sd_accel.core import Progress, ShapeRanges
+
 if TYPE_CHECKING:  # torch is only needed for hints here; the cache imports this module cheaply
     import torch
-
-Shape = tuple[int, ...]
-# Per input name: (min, opt, max) shapes. Static engines have min == opt == max.
-ShapeRanges = dict[str, tuple[Shape, Shape, Shape]]
-# progress(fraction 0..1, message); a builder calls it as it goes and stops when it raises.
-Progress = Callable[[float, str], None]
-
-
-class EngineError(RuntimeError):
-    """An engine that cannot be built, loaded or run. The message says why and what to do."""
-
-
-def covers(shapes: ShapeRanges, feed: dict[str, torch.Tensor]) -> bool:
-    """Whether every input of ``feed`` lies inside the (min, max) ranges, dimension by dimension."""
-    if set(feed) != set(shapes):
-        return False
-    for name, tensor in feed.items():
-        lo, _, hi = shapes[name]
-        if tensor.dim() != len(lo):
-            return False
-        if any(not (a <= d <= b) for a, d, b in zip(lo, tensor.shape, hi, strict=True)):
-            return False
-    return True
-
-
-def distance(shapes: ShapeRanges, feed: dict[str, torch.Tensor]) -> float:
-    """How far a feed is from the engine's opt shapes; the runtime prefers the nearest engine."""
-    total = 0.0
-    for name, tensor in feed.items():
-        opt = shapes[name][1]
-        total += sum(abs(d - o) / max(o, 1) for d, o in zip(tensor.shape, opt, strict=True))
-    return total
-
 
 @dataclass(frozen=True)
 class BackendInfo:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sd_accel.config import BACKENDS
+from sd_accel.core import DeviceError, InvalidValue
 
 
 def get_backend(name: str = "auto", cache_root: Path | None = None):
@@ -13,7 +14,7 @@ def get_backend(name: str = "auto", cache_root: Path | None = None):
     from sd_accel.backends.tensorrt.builder import trt_status
 
     if name not in BACKENDS:
-        raise ValueError(f"backend={name!r} is not valid; allowed: {', '.join(BACKENDS)}")
+        raise InvalidValue(f"backend={name!r} is not valid; allowed: {', '.join(BACKENDS)}")
     if name == "auto":
         name = "tensorrt" if trt_status()[0] else "onnxruntime"
     if name == "openvino":
@@ -22,13 +23,13 @@ def get_backend(name: str = "auto", cache_root: Path | None = None):
         backend = OpenVinoBackend()
         info = backend.info()
         if not info.usable:
-            raise RuntimeError(f"backend='openvino' cannot run here: {info.why_not}")
+            raise DeviceError(f"backend='openvino' cannot run here: {info.why_not}")
         return backend
     if name == "tensorrt":
         backend = TensorRTBackend(cache_root)
         info = backend.info()
         if not info.usable:
-            raise RuntimeError(f"backend='tensorrt' cannot run here: {info.why_not}")
+            raise DeviceError(f"backend='tensorrt' cannot run here: {info.why_not}")
         return backend
     import torch
 

@@ -8,9 +8,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-# Bump when the exported graphs change meaning (inputs, outputs, wrapper behaviour):
-# engines built from an older export are then never matched.
-SPEC_VERSION = 1
+from sd_accel.core import SPEC_VERSION
 
 
 @dataclass(frozen=True)

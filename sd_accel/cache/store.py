@@ -44,8 +44,8 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from ..backends.base import EngineError, ShapeRanges
-from .key import SPEC_VERSION, EngineKey
+from ..core import SPEC_VERSION, EngineError, InvalidValue, ShapeRanges
+from .key import EngineKey
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _number_and_unit(text: str, units: dict[str, int], bare: str, what: str, exa
     match = _NUMBER_UNIT.match(str(text))
     unit = (match[2].lower() or bare) if match else ""
     if unit not in units:
-        raise ValueError(
+        raise InvalidValue(
             f"Cannot read {what} {text!r}: write a number and a unit, e.g. {example} "
             f"(units: {', '.join(units)})."
         )
@@ -145,7 +145,7 @@ def _safe_relative(name: str) -> str:
     """``name`` as a relative POSIX path inside an engine folder, or ValueError."""
     path = Path(name)
     if not name or path.is_absolute() or ".." in path.parts or path.as_posix() == META_FILE:
-        raise ValueError(
+        raise InvalidValue(
             f"{name!r} cannot name an engine file (relative, inside the folder, not {META_FILE})"
         )
     return path.as_posix()
@@ -220,9 +220,9 @@ class EngineRecord:
                 extra=dict(data.get("extra") or {}),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"not an engine record ({type(exc).__name__}: {exc})") from exc
+            raise InvalidValue(f"not an engine record ({type(exc).__name__}: {exc})") from exc
         if record.status not in ("ok", "bad"):
-            raise ValueError(f"not an engine record (status {record.status!r})")
+            raise InvalidValue(f"not an engine record (status {record.status!r})")
         return record
 
 
@@ -631,7 +631,7 @@ class EngineCache:
         """
         name = _name_of(name_or_key)
         if not _is_engine_name(name):
-            raise ValueError(f"{name!r} is not an engine name (see `list()`); nothing deleted.")
+            raise InvalidValue(f"{name!r} is not an engine name (see `list()`); nothing deleted.")
         lock = self._acquire(name, timeout, "delete")
         try:
             folder = self.engine_dir(name)
@@ -656,7 +656,7 @@ class EngineCache:
         >>> cache.prune(max_bytes=parse_size("20GB"), older_than_s=parse_age("30d"))  # doctest: +SKIP
         """
         if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
+            raise InvalidValue(f"max_bytes must be >= 0, not {max_bytes}")
         now = time.time() if now is None else now
         records = sorted(self.list(), key=lambda r: r.last_used)
         victims = [r for r in records if older_than_s is not None and now - r.last_used > older_than_s]

@@ -10,8 +10,9 @@ import logging
 
 from sd_accel.components.clip import Clip2Spec, ClipSpec
 from sd_accel.components.spec import ComponentSpec, TensorSpec
-from sd_accel.components.unet import UNetSpec, UnsupportedComponent, export_latent_size, vae_scale_factor
+from sd_accel.components.unet import UNetSpec, export_latent_size, vae_scale_factor
 from sd_accel.components.vae import VaeDecoderSpec, VaeEncoderSpec
+from sd_accel.core import UnsupportedComponent
 
 log = logging.getLogger("sd_accel")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from sd_accel.components.spec import ComponentSpec, TensorSpec
+from sd_accel.core import InvalidValue
 from sd_accel.profiles import TOKEN_CHUNK, Profile, Range
 
 
@@ -41,7 +42,7 @@ class ClipSpec(ComponentSpec):
     def torch_module(self) -> torch.nn.Module:
         module = getattr(self.pipe, self.attribute, None)
         if module is None:
-            raise ValueError(f"the pipeline has no {self.attribute}; the {self.name!r} component does not apply")
+            raise InvalidValue(f"the pipeline has no {self.attribute}; the {self.name!r} component does not apply")
         return module
 
     @property

@@ -34,6 +34,7 @@ import torch
 
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.components.unet import export_latent_size, to_latent
+from sd_accel.core import InvalidValue
 from sd_accel.profiles import TOKEN_CHUNK, Profile, Range
 
 log = logging.getLogger("sd_accel")
@@ -74,7 +75,7 @@ def ldm_dims(module: torch.nn.Module) -> LdmDims:
     """
     context = _first_linear_in(module, "attn2.to_k")
     if context is None:
-        raise ValueError(
+        raise InvalidValue(
             f"{type(module).__name__} has no cross-attention (attn2.to_k) layer: not a text-conditioned SD UNet"
         )
     adm = 0

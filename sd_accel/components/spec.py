@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sd_accel.backends.base import ShapeRanges
+from sd_accel.core import ShapeRanges
 from sd_accel.profiles import Profile, Range
 
 

@@ -17,14 +17,11 @@ import math
 import torch
 
 from sd_accel.components.spec import ComponentSpec, TensorSpec
+from sd_accel.core import UnsupportedComponent
 from sd_accel.profiles import TOKEN_CHUNK, Profile, Range
 
 # The smallest latent side the trace example may have; odd sizes near it keep the graph general.
 _MIN_EXPORT_LATENT = 16
-
-
-class UnsupportedComponent(ValueError):
-    """A pipeline module sd-accel cannot export (an unusual conditioning, an adapter); it runs in torch."""
 
 
 def vae_scale_factor(pipe) -> int:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from sd_accel.components.spec import ComponentSpec, TensorSpec
-from sd_accel.components.unet import UnsupportedComponent, export_latent_size, to_latent, vae_scale_factor
+from sd_accel.components.unet import export_latent_size, to_latent, vae_scale_factor
+from sd_accel.core import InvalidValue, UnsupportedComponent
 from sd_accel.profiles import Profile, Range
 
 
@@ -52,7 +53,7 @@ class _VaeSpec(ComponentSpec):
         super().__init__(pipe)
         vae = getattr(pipe, "vae", None)
         if vae is None:
-            raise ValueError(f"the pipeline has no vae; the {self.name!r} component does not apply")
+            raise InvalidValue(f"the pipeline has no vae; the {self.name!r} component does not apply")
         from diffusers import AutoencoderKL  # here: the WebUI path imports this module without diffusers
 
         if not isinstance(vae, AutoencoderKL):

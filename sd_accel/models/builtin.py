@@ -12,6 +12,7 @@ from pathlib import Path
 import diffusers
 from filelock import FileLock
 
+from sd_accel.core import InvalidValue
 from sd_accel.models.components import random_pipeline
 from sd_accel.models.families import FAMILIES, load_family_configs, merged
 from sd_accel.models.tiny import TINY_OVERRIDES
@@ -43,7 +44,7 @@ def builtin_path(name: str) -> Path:
     if name.startswith(PREFIX):
         name = name[len(PREFIX) :]
     if name not in BUILTINS:
-        raise ValueError(
+        raise InvalidValue(
             f"unknown built-in model {name!r}; available: {', '.join(PREFIX + b for b in BUILTINS)}"
         )
     dest = cache_dir() / "builtin" / f"{name}-v{_VERSION}"

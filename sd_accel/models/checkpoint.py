@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from sd_accel.errors import CheckpointError
+from sd_accel.core import CheckpointError
 
 SAFE_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")

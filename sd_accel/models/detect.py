@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sd_accel.errors import CheckpointError
+from sd_accel.core import CheckpointError
 from sd_accel.models.checkpoint import Shapes
 
 UNET = "model.diffusion_model."

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sd_accel.core import InvalidValue
 from sd_accel.models.tokenizer import write_tokenizer_files
 from sd_accel.paths import cache_dir
 
@@ -49,7 +50,7 @@ def get_family(name: str) -> Family:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise ValueError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}") from None
+        raise InvalidValue(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}") from None
 
 
 def load_family_configs(family: Family) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sd_accel.errors import CheckpointError
+from sd_accel.core import CheckpointError
 from sd_accel.models.checkpoint import Shapes
 from sd_accel.models.detect import CLIP_L_SD1, OPENCLIP_SD2, UNET, VAE, XL_TE1, XL_TE2, Detected
 

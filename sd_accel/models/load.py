@@ -12,7 +12,7 @@ from typing import Any
 import diffusers
 import torch
 
-from sd_accel.errors import CheckpointError
+from sd_accel.core import CheckpointError, InvalidValue, ModelNotFound
 from sd_accel.models.builtin import PREFIX as BUILTIN_PREFIX
 from sd_accel.models.builtin import builtin_path
 from sd_accel.models.checkpoint import PICKLE_SUFFIXES, SAFE_SUFFIXES, load_pickle_state_dict, read_shapes
@@ -170,7 +170,7 @@ def load_pipeline(
     'sd15'
     """
     if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
-        raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+        raise InvalidValue(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
     if isinstance(source, diffusers.DiffusionPipeline):
         return source
     text = os.fspath(source)
@@ -180,7 +180,7 @@ def load_pipeline(
         return pipe
     path = Path(text).expanduser()
     if not path.exists():
-        raise FileNotFoundError(
+        raise ModelNotFound(
             f"model {text!r} not found: give a .safetensors file, a diffusers folder, or "
             "builtin:tiny-sd15 / builtin:tiny-sdxl"
         )

@@ -27,9 +27,8 @@ import onnx
 import torch
 from filelock import FileLock
 
-from sd_accel.backends.base import EngineError, Progress
-from sd_accel.cache.key import SPEC_VERSION
 from sd_accel.components.spec import ComponentSpec
+from sd_accel.core import SPEC_VERSION, EngineError, Progress
 from sd_accel.onnx.fingerprint import fingerprint
 from sd_accel.onnx.optimize import DATA_SUFFIX, check_model, optimize_file
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from sd_accel.core import InvalidValue
+
 _ATTR = "_sd_accel_fingerprint"
 _CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per update: bounded extra memory on any device
 # Config keys that say nothing about the function the weights compute.
@@ -74,7 +76,7 @@ def _json_default(value: Any) -> str:
 
 def _update(digest, name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type == "meta":
-        raise ValueError(
+        raise InvalidValue(
             f"weight {name!r} is on the meta device (sequential CPU offload or lazy loading); "
             "fingerprint the module before offloading it"
         )

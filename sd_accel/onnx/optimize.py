@@ -24,7 +24,7 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import ExternalDataInfo
 
-from sd_accel.backends.base import Progress
+from sd_accel.core import InvalidValue, Progress
 
 log = logging.getLogger("sd_accel")
 
@@ -180,12 +180,12 @@ def _read_external(tensor: onnx.TensorProto, root: Path) -> bytes:
     info = ExternalDataInfo(tensor)
     path = (root / info.location).resolve()
     if root not in path.parents:
-        raise ValueError(f"external data of {tensor.name!r} points outside {root}: {info.location!r}")
+        raise InvalidValue(f"external data of {tensor.name!r} points outside {root}: {info.location!r}")
     with open(path, "rb") as f:
         f.seek(info.offset or 0)
         blob = f.read(info.length) if info.length else f.read()
     if info.length and len(blob) != info.length:
-        raise ValueError(f"external data of {tensor.name!r} is truncated: {len(blob)} of {info.length} bytes")
+        raise InvalidValue(f"external data of {tensor.name!r} is truncated: {len(blob)} of {info.length} bytes")
     return blob
 
 

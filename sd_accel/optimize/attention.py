@@ -8,6 +8,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from sd_accel.core import DeviceError
+
 log = logging.getLogger("sd_accel")
 
 XFORMERS_HINT = (
@@ -42,12 +44,12 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     if requested == "xformers":
         ok, why = xformers_status()
         if not ok:
-            raise RuntimeError(f"attention='xformers' cannot run here: {why}; {XFORMERS_HINT}")
+            raise DeviceError(f"attention='xformers' cannot run here: {why}; {XFORMERS_HINT}")
         if device.type != "cuda":
-            raise RuntimeError(f"attention='xformers' needs the pipeline on CUDA, it is on {device}; use 'sdpa'")
+            raise DeviceError(f"attention='xformers' needs the pipeline on CUDA, it is on {device}; use 'sdpa'")
         return "xformers"
     if requested == "sdpa" and not hasattr(F, "scaled_dot_product_attention"):
-        raise RuntimeError("attention='sdpa' needs torch >= 2.0; upgrade torch or use 'sliced'")
+        raise DeviceError("attention='sdpa' needs torch >= 2.0; upgrade torch or use 'sliced'")
     return requested
 
 

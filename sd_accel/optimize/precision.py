@@ -12,6 +12,8 @@ import types
 
 import torch
 
+from sd_accel.core import DeviceError
+
 log = logging.getLogger("sd_accel")
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -28,7 +30,7 @@ def resolve_precision(requested: str, device: torch.device) -> torch.dtype:
         )
         return torch.float32
     if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RuntimeError(
+        raise DeviceError(
             f"precision='bf16' is not supported by {torch.cuda.get_device_name(device)}; use 'fp16'"
         )
     return DTYPES[requested]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sd_accel.backends.base import EngineError, ShapeRanges, covers, distance
+from sd_accel.core import EngineError, ShapeRanges, covers, distance
 from sd_accel.runtime.stats import ComponentStats
 
 log = logging.getLogger("sd_accel")

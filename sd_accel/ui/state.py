@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sd_accel.config import BACKENDS, PRECISION
+from sd_accel.core import Busy, InvalidValue
 from sd_accel.profiles import PRESETS, Profile, Range
 
 log = logging.getLogger("sd_accel")
@@ -37,10 +38,6 @@ BUILD_PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8", "int8-dynamic")
 ENGINE_HEADERS = ["component", "profile", "precision", "backend", "size", "rel_l2", "status", "last used",
                   "model", "name"]
 _POLL_S = 0.25  # how often a waiting build generator wakes to yield (keeps the page live)
-
-
-class Busy(RuntimeError):
-    """Another build or generation holds the panel; the user should wait or cancel it."""
 
 
 # --------------------------------------------------------------------------- profiles from fields
@@ -57,7 +54,7 @@ def parse_range(name: str, text: str | int | float) -> Range:
         return values[0], values[0], values[0]
     if len(values) == 3:
         return values[0], values[1], values[2]
-    raise ValueError(f"{name}: write one number (static) or three as 'min, opt, max', got {text!r}")
+    raise InvalidValue(f"{name}: write one number (static) or three as 'min, opt, max', got {text!r}")
 
 
 def format_range(r: Range) -> str:
@@ -102,7 +99,7 @@ def profile_from_tag(tag: str) -> Profile:
             ranges[name] = (ranges[name][0], value, ranges[name][2])
     profile = Profile(**ranges)
     if profile.tag != tag:
-        raise ValueError(f"cannot read the profile {tag!r} back; build it from the ranges instead")
+        raise InvalidValue(f"cannot read the profile {tag!r} back; build it from the ranges instead")
     return profile
 
 
@@ -282,9 +279,9 @@ class PanelState:
     def apply_settings(self, engine_dir: str | None, backend: str, precision: str) -> str:
         """Validate and keep the Settings tab's values; returns a line for the user."""
         if backend not in BACKENDS:
-            raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+            raise InvalidValue(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if precision not in PRECISION:
-            raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISION)}")
+            raise InvalidValue(f"precision {precision!r} is not one of {', '.join(PRECISION)}")
         self.engine_dir = (engine_dir or "").strip() or None
         self.backend, self.precision = backend, precision
         self.engines_changed()  # another engine dir means other engines
@@ -504,7 +501,7 @@ def _components_of(pipe, wanted: tuple[str, ...]) -> tuple[list[str], list[str]]
 
     have = engine_components(pipe)
     if not wanted:
-        raise ValueError("tick at least one component to build")
+        raise InvalidValue("tick at least one component to build")
     return [c for c in wanted if c in have], [c for c in wanted if c not in have]
 
 
@@ -513,7 +510,7 @@ def _check_same_model(pipe, record) -> None:
     from sd_accel.build import built_from
 
     if not built_from(pipe, record):
-        raise ValueError(
+        raise InvalidValue(
             f"engine {record.name} was built from another model than the one picked; pick that model "
             "first (its fingerprint starts " + record.key.model[:12] + ")"
         )

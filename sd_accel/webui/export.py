@@ -30,6 +30,7 @@ import torch
 
 from sd_accel.build import BuildEvent, make_tick
 from sd_accel.components.ldm_unet import COMPONENT, LdmUNetSpec
+from sd_accel.core import InvalidValue
 from sd_accel.profiles import Profile
 from sd_accel.webui import host
 from sd_accel.webui.identity import LoraSet, checkpoint_hash, describe, forge_loras, merged_loras, weights_id
@@ -226,7 +227,7 @@ def build_loaded(
     info = be.info()
     precision = default_build_precision(be.name) if precision in (None, "", "auto") else precision
     if precision not in be.precisions():
-        raise ValueError(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
+        raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
     report = progress or (lambda ev: None)
     records = []
     with host.queue_lock():

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from sd_accel.core import SdAccelError
 
-class NoModel(RuntimeError):
+
+class NoModel(SdAccelError, RuntimeError):
     """No checkpoint is loaded (A1111 before the first load, Forge's ``FakeInitialModel``)."""
 
 

@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from sd_accel.core import InvalidValue, SdAccelError
 from sd_accel.profiles import Profile
 from sd_accel.profiles import preset as preset_profile
 from sd_accel.webui import host
@@ -72,7 +73,7 @@ def job_finished(p) -> None:
 # --------------------------------------------------------------------------- builds
 
 
-class BuildRefused(RuntimeError):
+class BuildRefused(SdAccelError, RuntimeError):
     """A build request that cannot be served as asked; ``status`` is the HTTP code to answer."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -105,7 +106,7 @@ def load_checkpoint(name: str | None) -> None:
 
 def profiles_for(preset: str | None, profile: dict | None, family: str, ctl: Controller) -> list[Profile]:
     if profile is not None and preset is not None:
-        raise ValueError("give preset or profile, not both")
+        raise InvalidValue("give preset or profile, not both")
     if profile is not None:
         return [Profile.of(profile)]
     return [preset_profile(preset or ctl.preset_for(family))]

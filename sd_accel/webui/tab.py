@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass
 
 from sd_accel.components.ldm_unet import COMPONENT
+from sd_accel.core import InvalidValue
 from sd_accel.ui.state import BuildRequest, GenerateRequest, PanelState, profile_from_tag
 from sd_accel.webui import host
 from sd_accel.webui.controller import OPT_BACKEND, OPT_ENGINE_DIR, controller
@@ -72,10 +73,10 @@ class WebUIPanelState(PanelState):
 
     def generate(self, req: GenerateRequest):
         if is_webui_model(req.model):
-            raise ValueError("The WebUI's checkpoint generates in txt2img / img2img, where its engines are "
+            raise InvalidValue("The WebUI's checkpoint generates in txt2img / img2img, where its engines are "
                              "used; this Generate tab runs diffusers models (a path or builtin:tiny-sd15).")
         if importlib.util.find_spec("diffusers") is None:
-            raise ValueError("The Generate tab needs diffusers, which this WebUI does not ship; "
+            raise InvalidValue("The Generate tab needs diffusers, which this WebUI does not ship; "
                              "txt2img / img2img use the engines without it.")
         return super().generate(req)
 
@@ -92,7 +93,7 @@ class WebUIPanelState(PanelState):
         """The WebUI's model: export its UNet. Other models: the panel's diffusers path."""
         if not is_webui_model(req.model):
             if replace is not None and replace.key.component == COMPONENT:
-                raise ValueError(f"that engine is the WebUI's UNet: set the Model box to {WEBUI_MODEL} to rebuild it")
+                raise InvalidValue(f"that engine is the WebUI's UNet: set the Model box to {WEBUI_MODEL} to rebuild it")
             return super()._build_records(req, replace, cancel, progress)
         from sd_accel.webui.export import export_source
         from sd_accel.webui.jobs import build_for_checkpoint
@@ -101,7 +102,7 @@ class WebUIPanelState(PanelState):
         if replace is not None:
             wid = export_source().weights_id
             if replace.key.model != wid:
-                raise ValueError(f"engine {replace.name} is for other weights ({replace.key.model}); "
+                raise InvalidValue(f"engine {replace.name} is for other weights ({replace.key.model}); "
                                  f"the WebUI has {wid} loaded")
             self.cache().delete(replace.name)
         records = build_for_checkpoint(None, profile=req.profile, backend=req.backend or self.backend,

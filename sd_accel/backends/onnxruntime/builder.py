@@ -5,7 +5,7 @@ plans for fixed shapes, which on CPU is worth a lot (DESIGN.md). The optimized m
 CPU-specific layouts, so engines are keyed by CPU class.
 
 INT8 (``int8``: static, calibrated; ``int8-dynamic``: no calibration) quantizes the ONNX file
-first (``sd_accel.quantize``), then optimizes the quantized model the same way as fp32.
+first (``quantize.py`` beside this file), then optimizes the quantized model the same way as fp32.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import onnx
-
-from sd_accel.backends.base import BackendInfo, EngineError, Progress, ShapeRanges
+from sd_accel.backends.base import BackendInfo
+from sd_accel.core import EngineError, Progress, ShapeRanges
 from sd_accel.device import arch_for
+from sd_accel.onnx.symbols import symbol_values
 
 if TYPE_CHECKING:
-    from sd_accel.quantize.calibration import CalibrationSet
+    from sd_accel.core import CalibrationSet
 
 ENGINE_FILE = "engine.onnx"
 DATA_FILE = "engine.onnx.data"
@@ -33,20 +33,6 @@ def _providers(device: str) -> list[str]:
     if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
-
-
-def symbol_values(onnx_path: Path, shapes: ShapeRanges) -> dict[str, int]:
-    """Symbolic input dims that the profile fixes (min == max), e.g. ``{"B2": 2, "H8": 64}``."""
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    fixed: dict[str, int] = {}
-    for inp in model.graph.input:
-        if inp.name not in shapes:
-            continue
-        lo, _, hi = shapes[inp.name]
-        for i, dim in enumerate(inp.type.tensor_type.shape.dim):
-            if dim.dim_param and lo[i] == hi[i]:
-                fixed[dim.dim_param] = lo[i]
-    return fixed
 
 
 def session_options(threads: int | None = None, optimize: bool = True):
@@ -98,7 +84,7 @@ class OnnxRuntimeBackend:
             raise EngineError(f"onnxruntime backend builds {self.precisions()}, not {precision!r}")
         if precision == "fp32":
             return self._optimize(onnx_path, shapes, out_dir, progress)
-        from sd_accel.quantize.ort import quantize_onnx, remove_quantized
+        from sd_accel.backends.onnxruntime.quantize import quantize_onnx, remove_quantized
 
         quant = out_dir / "quantized.onnx"
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sd_accel.backends.base import EngineError, ShapeRanges, covers
+from sd_accel.core import EngineError, ShapeRanges, covers
 
 _NP = {
     "tensor(float)": np.float32,

@@ -7,7 +7,7 @@ DESIGN.md); dynamic profiles compile with bounded dimensions. ``bf16`` sets Open
 AMX, with fp32 accumulation. The compiled blob is tied to the CPU class and the OpenVINO version,
 which are both part of the engine key.
 
-``int8`` quantizes the converted model with NNCF first (``sd_accel.quantize.openvino``: int8
+``int8`` quantizes the converted model with NNCF first (``quantize.py`` beside this file: int8
 weights and activations from calibration feeds, the layers that cannot take it kept in float),
 then compiles it like ``bf16`` (or ``fp32`` on CPUs without bf16): int8 runs on VNNI/AMX.
 """
@@ -20,11 +20,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sd_accel.backends.base import BackendInfo, EngineError, Progress, ShapeRanges
+from sd_accel.backends.base import BackendInfo
+from sd_accel.core import EngineError, Progress, ShapeRanges
 from sd_accel.device import cpu_class, cpu_flags
 
 if TYPE_CHECKING:
-    from sd_accel.quantize.calibration import CalibrationSet
+    from sd_accel.core import CalibrationSet
 
 ENGINE_FILE = "engine.blob"
 META_FILE = "engine.json"  # the compile options: import_model must get them again
@@ -106,7 +107,7 @@ class OpenVinoBackend:
                 raise EngineError(f"{onnx_path.name} has no inputs {sorted(missing)}; it has {sorted(names)}")
             model.reshape(_partial_shapes(shapes))
             if precision == "int8":
-                from sd_accel.quantize.openvino import quantize_openvino
+                from sd_accel.backends.openvino.quantize import quantize_openvino
 
                 model = quantize_openvino(model, calibration, lambda f, m: progress(0.1 + 0.4 * f, m))
             progress(0.5, f"compiling for {cpu_class()} ({precision})")

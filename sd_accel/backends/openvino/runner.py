@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sd_accel.backends.base import EngineError, ShapeRanges, covers
+from sd_accel.core import EngineError, ShapeRanges, covers
 
 _NP = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "i64": np.int64}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from sd_accel.backends.base import EngineError, ShapeRanges, covers
+from sd_accel.core import EngineError, ShapeRanges, covers
 
 # TensorRT keeps one logger per process: a second, different one draws a warning on every runtime.
 # Keyed by the module, so the tests' stand-in modules (``dryrun``) never share one with TensorRT.

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sd_accel.core import InvalidValue
+
 
 @dataclass(frozen=True)
 class TrtFeatures:
@@ -32,9 +34,9 @@ def features(version: str) -> TrtFeatures:
     try:
         major = int(version.split(".")[0])
     except ValueError:
-        raise ValueError(f"not a TensorRT version: {version!r}") from None
+        raise InvalidValue(f"not a TensorRT version: {version!r}") from None
     if major < 10:
-        raise ValueError(
+        raise InvalidValue(
             f"TensorRT {version} is too old: sd-accel needs 10.x or 11.x (the name-based tensor API)"
         )
     if major >= 11:

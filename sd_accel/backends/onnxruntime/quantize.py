@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sd_accel.backends.base import EngineError, Progress, ShapeRanges
-from sd_accel.quantize.calibration import CalibrationSet
+from sd_accel.core import CalibrationSet, EngineError, InvalidValue, Progress, ShapeRanges
+from sd_accel.onnx.symbols import symbol_values
 
 log = logging.getLogger("sd_accel")
 
@@ -75,7 +75,6 @@ def _fixed_shape_model(onnx_path: Path, shapes: ShapeRanges, work: Path) -> Path
     copied beside it: ONNX refuses external data behind symbolic or hard links."""
     import onnx
 
-    from sd_accel.backends.onnxruntime.builder import symbol_values
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     values = symbol_values(onnx_path, shapes)
@@ -114,7 +113,7 @@ def quantize_onnx(
 
     progress = progress or (lambda f, m: None)
     if precision not in INT8_PRECISIONS:
-        raise ValueError(f"precision={precision!r}; INT8 precisions are {INT8_PRECISIONS}")
+        raise InvalidValue(f"precision={precision!r}; INT8 precisions are {INT8_PRECISIONS}")
     if precision == "int8" and (calibration is None or not len(calibration)):
         raise EngineError(
             "precision='int8' (static) needs calibration data: build_engines captures it from a few "

@@ -1,4 +1,4 @@
-"""Calibration data for static INT8: the inputs a component really sees, captured during real
+"""Calibration data for static INT8 (the backends' quantizers take it): the inputs a component really sees, captured during real
 pipeline runs on a few prompts, and kept on disk (one ``.npz`` per model, component and shape)
 so a rebuild does not run the pipeline again.
 
@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from sd_accel.core import CalibrationSet, InvalidValue
 
 log = logging.getLogger("sd_accel")
 
@@ -31,33 +32,6 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
 )
 # pipeline attribute whose forward inputs are captured, per component
 _HOOKED = {"unet": "unet", "clip": "text_encoder"}
-
-
-@dataclass
-class CalibrationSet:
-    """Input feeds (name -> fp32/int array) for one component at one shape."""
-
-    component: str
-    feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.feeds)
-
-    def save(self, path: Path) -> None:
-        arrays = {f"{i}/{k}": v for i, feed in enumerate(self.feeds) for k, v in feed.items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        tmp.replace(path)
-
-    @classmethod
-    def load(cls, component: str, path: Path) -> CalibrationSet:
-        with np.load(path) as data:
-            feeds: dict[int, dict[str, np.ndarray]] = {}
-            for key in data.files:
-                index, name = key.split("/", 1)
-                feeds.setdefault(int(index), {})[name] = data[key]
-        return cls(component, [feeds[i] for i in sorted(feeds)])
 
 
 def _np(t: torch.Tensor, like: torch.dtype) -> np.ndarray:
@@ -167,7 +141,7 @@ def calibration_for(
         s = specs[name]
         cset.save(_cache_file(cache_root, fingerprint(s.torch_module()), name, s.shape_ranges(profile), prompts, steps))
     if spec.name not in sets or not sets[spec.name].feeds:
-        raise ValueError(f"no calibration data could be captured for {spec.name!r}")
+        raise InvalidValue(f"no calibration data could be captured for {spec.name!r}")
     return sets[spec.name]
 
 

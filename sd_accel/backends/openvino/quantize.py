@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from sd_accel.backends.base import EngineError, Progress
-from sd_accel.quantize.calibration import CalibrationSet
+from sd_accel.core import CalibrationSet, EngineError, Progress
 
 log = logging.getLogger("sd_accel")
 
