@@ -1,15 +1,91 @@
-"""One generation with timings: what the CLI's ``generate`` and the demo run."""
+"""One generation with timings: the parameters every face validates through
+(``GenerationParams``), the run itself, and the PNG it is saved as."""
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
+
+from sd_accel.core import InvalidValue
+
+MAX_STEPS = 150  # the WebUI's slider maximum
+MAX_BATCH = 64
+MAX_SIDE = 4096
+MAX_SEED = 2**32 - 1  # the WebUI's seeds; -1 picks one at random
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One generation request, validated once for every face (CLI, panel, WebUI API, server).
+
+    ``width``/``height`` None take the model's default size; ``seed=-1`` draws a random seed
+    (``resolved_seed``). Every invalid value raises ``InvalidValue`` naming the field, as
+    ``AccelConfig`` does.
+
+    >>> GenerationParams(prompt="a cat", steps=0)
+    Traceback (most recent call last):
+    ...
+    sd_accel.core.InvalidValue: GenerationParams.steps=0 is not valid; allowed: an integer from 1 to 150
+    """
+
+    prompt: str = "a photo of a cat"
+    negative_prompt: str | None = None
+    steps: int = 20
+    cfg: float = 7.0
+    width: int | None = None
+    height: int | None = None
+    batch: int = 1
+    seed: int = 0
+    sampler: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            _bad("prompt", self.prompt, "a string")
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            _bad("negative_prompt", self.negative_prompt, "a string or None")
+        _int_in("steps", self.steps, 1, MAX_STEPS)
+        _int_in("batch", self.batch, 1, MAX_BATCH)
+        _int_in("seed", self.seed, -1, MAX_SEED)
+        cfg = self.cfg
+        if isinstance(cfg, bool) or not isinstance(cfg, int | float) or not math.isfinite(cfg) or not 0 <= cfg <= 100:
+            _bad("cfg", cfg, "a finite number from 0 to 100")
+        for side in ("width", "height"):
+            value = getattr(self, side)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 8 <= value <= MAX_SIDE or value % 8:
+                _bad(side, value, f"a multiple of 8 from 8 to {MAX_SIDE}, or None for the model's default")
+        if self.sampler is not None:
+            from sd_accel.samplers import resolve
+
+            resolve(self.sampler)  # raises InvalidValue with the closest names
+
+    def resolved_seed(self) -> int:
+        """The seed to run with: ``seed``, or a random one for ``-1``."""
+        if self.seed != -1:
+            return self.seed
+        import random
+
+        return random.randint(0, MAX_SEED)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _bad(name: str, value: Any, allowed: str) -> None:
+    raise InvalidValue(f"GenerationParams.{name}={value!r} is not valid; allowed: {allowed}")
+
+
+def _int_in(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        _bad(name, value, f"an integer from {lo} to {hi}")
 
 
 @dataclass
