@@ -18,7 +18,7 @@ from sd_accel.optimize.precision import install_vae_guard, resolve_precision, va
 
 log = logging.getLogger("sd_accel")
 
-__all__ = ["AccelState", "accelerate", "load_pipeline", "ModelInfo", "resolve_device"]
+__all__ = ["AccelState", "accelerate", "describe_machine", "load_pipeline", "ModelInfo", "resolve_device"]
 
 
 @dataclass
@@ -57,6 +57,29 @@ def resolve_device(requested: str) -> torch.device:
     if requested == "mps" and not torch.backends.mps.is_available():
         raise DeviceError("device='mps' but this torch has no MPS support")
     return torch.device(requested)
+
+
+def describe_machine() -> dict[str, Any]:
+    """The device and its arch key, library versions, every backend of the table with what it
+    builds here (or why it cannot run), and xFormers: what ``sd-accel doctor`` prints.
+
+    >>> describe_machine()["backends"]["onnxruntime"]["usable"]  # doctest: +SKIP
+    True
+    """
+    from dataclasses import asdict
+
+    from sd_accel.backends.registry import describe
+    from sd_accel.device import describe as describe_device
+    from sd_accel.device import versions
+    from sd_accel.optimize.attention import xformers_status
+
+    xf_ok, xf_why = xformers_status()
+    return {
+        **asdict(describe_device()),
+        "versions": versions(),
+        "backends": {row["name"]: row for row in describe()},
+        "xformers": {"usable": xf_ok, "why_not": xf_why or None},
+    }
 
 
 def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:

@@ -204,17 +204,15 @@ def _availability(variant: str, device: str) -> str:
     if variant not in ENGINES:
         return ""
     backend, precision = ENGINES[variant]
-    from sd_accel.config import BACKENDS
+    from sd_accel.backends.registry import entry, get_backend
 
-    if backend not in BACKENDS:
-        return f"backend {backend!r} is not registered in sd_accel.config.BACKENDS"
-    if backend == "tensorrt" and not device.startswith("cuda"):
-        return "TensorRT needs a CUDA device"
-    if backend != "tensorrt" and device.startswith("cuda"):
-        return f"{backend} rows are measured on CPU runs"
     try:
-        from sd_accel.backends.registry import get_backend
-
+        where = entry(backend).torch_device
+    except ValueError as exc:
+        return str(exc)
+    if where != ("cuda" if device.startswith("cuda") else "cpu"):
+        return f"{backend} rows are measured on {where} runs"
+    try:
         be = get_backend(backend)
     except Exception as exc:  # not installed, not usable here
         return str(exc)
@@ -227,7 +225,10 @@ def _engine_jobs(variant: str) -> list[tuple[str, str, list[str]]]:
     """(backend, precision, components) builds a row needs."""
     backend, precision = ENGINES[variant]
     if precision.startswith("int8"):
-        floats = "bf16" if backend == "openvino" and _cpu_bf16() else "fp32"
+        # the float components of an INT8 row: the same backend at its default float precision
+        from sd_accel.backends.registry import create
+
+        floats = create(backend).default_precision()
         return [(backend, precision, ["unet"]), (backend, floats, list(INT8_SUPPORT))]
     return [(backend, precision, list(ENGINE_COMPONENTS))]
 
@@ -288,7 +289,9 @@ def _accelerated(cfg: BenchConfig, variant: str):
         accelerate(pipe, AccelConfig(device=cfg.device, **_torch_best(cfg.device)))
     else:
         backend, precision = ENGINES[variant]
-        torch_precision = "fp16" if backend == "tensorrt" else "fp32"
+        from sd_accel.backends.registry import entry
+
+        torch_precision = "fp16" if entry(backend).torch_device == "cuda" else "fp32"
         accelerate(pipe, AccelConfig(device=cfg.device, precision=torch_precision, engines=True,
                                      engine_dir=row_engine_dir(cfg, variant), backend=backend))
     return pipe, time.perf_counter() - start

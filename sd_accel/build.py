@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sd_accel.backends.registry import default_precision, get_backend
+from sd_accel.backends.registry import get_backend
 from sd_accel.cache.key import EngineKey
 from sd_accel.core import BuildCancelled, EngineError, InvalidValue, Progress
 from sd_accel.profiles import Profile, default_preset
@@ -79,7 +79,7 @@ def build_engines(
     cache = EngineCache(engine_dir)
     be = get_backend(backend, cache_root=cache.root)
     info = be.info()
-    precision = default_precision(be.name) if precision == "auto" else precision
+    precision = be.default_precision() if precision == "auto" else precision
     if precision not in be.precisions():
         raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
     report = _reporter(progress)
@@ -171,7 +171,7 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
             tick(0.85, "validating against torch")
             runner = be.load(slot.dir, files, shapes)
             try:
-                result = validate(spec, runner, profile, precision, device="cuda" if be.name == "tensorrt" else "cpu",
+                result = validate(spec, runner, profile, precision, device=be.torch_device,
                                   feeds=holdout or None)
             finally:
                 runner.close()

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from sd_accel.config import ATTENTION, ENGINE_PRECISIONS, OFFLOAD, PRECISION
+from sd_accel.config import ATTENTION, BACKENDS, ENGINE_PRECISIONS, OFFLOAD, PRECISION
 
 DEFAULT_MODEL = "builtin:tiny-sd15"
 
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_args(p: argparse.ArgumentParser, backend: bool = False) -> None:
     p.add_argument("--engine-dir", default=None, help="engine cache folder (default $SD_ACCEL_ENGINE_DIR or ./engines)")
     if backend:
-        p.add_argument("--backend", choices=("auto", "onnxruntime", "openvino", "tensorrt"), default="auto")
+        p.add_argument("--backend", choices=BACKENDS, default="auto")
 
 
 def main(argv: list[str] | None = None) -> int:

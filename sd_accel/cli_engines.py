@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+from sd_accel.config import BACKENDS, ENGINE_PRECISIONS
 from sd_accel.core import InvalidValue
 
 COMPONENT_ALIASES = {
@@ -152,33 +153,25 @@ def _cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from sd_accel.backends.onnxruntime import OnnxRuntimeBackend
-    from sd_accel.backends.tensorrt.builder import trt_status
-    from sd_accel.device import describe, versions
-    from sd_accel.optimize.attention import xformers_status
+    from sd_accel.api import describe_machine
 
-    dev = describe()
-    ort = OnnxRuntimeBackend().info()
-    trt_ok, trt_version, trt_why = trt_status()
-    xf_ok, xf_why = xformers_status()
-    report = {
-        "device": dev.device, "name": dev.name, "arch": dev.arch, "memory_gb": dev.memory_gb,
-        "versions": versions(),
-        "backends": {
-            "onnxruntime": {"usable": ort.usable, "arch": ort.arch, "why_not": ort.why_not},
-            "tensorrt": {"usable": trt_ok, "version": trt_version, "why_not": trt_why},
-        },
-        "xformers": {"usable": xf_ok, "why_not": xf_why},
-    }
+    report = describe_machine()
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"device: {dev.device} ({dev.name}), arch key {dev.arch}" + (f", {dev.memory_gb} GB" if dev.memory_gb else ""))
+    print(f"device: {report['device']} ({report['name']}), arch key {report['arch']}"
+          + (f", {report['memory_gb']} GB" if report["memory_gb"] else ""))
     for name, version in report["versions"].items():
         print(f"  {name:<13} {version or 'not installed'}")
-    for name, b in report["backends"].items():
-        print(f"backend {name}: " + ("usable" if b["usable"] else f"not usable: {b['why_not']}"))
-    print("xformers: " + ("usable" if xf_ok else f"not usable: {xf_why}"))
+    for b in report["backends"].values():
+        if b["usable"]:
+            line = (f"usable ({b['version']}, {b['arch']}): builds {', '.join(b['precisions'])}, "
+                    f"default {b['default_precision']}" + ("; picked by auto" if b["auto"] else ""))
+        else:
+            line = f"not usable: {b['why_not']} (runs on {b['runs_on']}; {b['install']})"
+        print(f"backend {b['name']}: {line}")
+    xf = report["xformers"]
+    print("xformers: " + ("usable" if xf["usable"] else f"not usable: {xf['why_not']}"))
     return 0
 
 
@@ -201,8 +194,9 @@ def add_commands(sub, engine_args) -> None:
         b.add_argument(f"--{dim}", type=parse_range, default=None, help="N, MIN-MAX or MIN-OPT-MAX")
     b.add_argument("--static", action="store_true", help="a static profile from single values")
     b.add_argument("--components", default=None, help="comma list: unet,vae,clip (default: all)")
-    b.add_argument("--backend", choices=("auto", "onnxruntime", "openvino", "tensorrt"), default="auto")
-    b.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8", "int8-dynamic"), default="auto")
+    b.add_argument("--backend", choices=BACKENDS, default="auto")
+    b.add_argument("--precision", choices=("auto", *ENGINE_PRECISIONS), default="auto",
+                   help="auto: the backend's default (`sd-accel doctor` lists each backend's)")
     b.add_argument("--allow-pickle", action="store_true")
     b.add_argument("--json", action="store_true")
     engine_args(b)

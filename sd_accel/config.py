@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sd_accel.backends import registry
 from sd_accel.core import InvalidValue
 
 ATTENTION = ("auto", "xformers", "sdpa", "sliced")
 PRECISION = ("auto", "fp32", "fp16", "bf16")
 VAE_PRECISION = ("auto", "fp32", "same")
 OFFLOAD = ("none", "medvram", "lowvram")
-BACKENDS = ("auto", "onnxruntime", "openvino", "tensorrt")
+# "auto" and the names in the backend table (sd_accel/backends/registry.py), for menus and --help
+BACKENDS = registry.choices()
 ENGINE_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int8-dynamic")
 
 
@@ -65,7 +67,7 @@ class AccelConfig:
         _check_choice("attention", self.attention, ATTENTION)
         _check_choice("vae_precision", self.vae_precision, VAE_PRECISION)
         _check_choice("offload", self.offload, OFFLOAD)
-        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("backend", self.backend, registry.choices())
         if self.engine_precision is not None:
             _check_choice("engine_precision", self.engine_precision, ENGINE_PRECISIONS)
         for flag in ("nan_check", "vae_slicing", "vae_tiling", "engines", "engine_fallback"):

@@ -87,6 +87,8 @@ def versions() -> dict[str, str | None]:
             ("transformers", "transformers"),
             ("onnx", "onnx"),
             ("onnxruntime", "onnxruntime"),
+            ("openvino", "openvino"),
+            ("nncf", "nncf"),
             ("tensorrt", "tensorrt"),
             ("polygraphy", "polygraphy"),
             ("xformers", "xformers"),

@@ -69,9 +69,18 @@ def test_doctor_reports_device_versions_and_backends():
     report = _json(sd_accel("doctor", "--json"))
     assert report["arch"].startswith(("cpu-", "sm"))
     assert report["versions"]["torch"] and report["versions"]["onnxruntime"]
-    assert report["backends"]["onnxruntime"]["usable"] is True
+    from sd_accel.backends.registry import names
+
+    assert list(report["backends"]) == list(names())  # every backend of the table, OpenVINO included
+    ort = report["backends"]["onnxruntime"]
+    assert ort["usable"] is True and "fp32" in ort["precisions"] and ort["default_precision"] == "fp32"
+    ov = report["backends"]["openvino"]
+    assert ov["usable"] is True and ov["default_precision"] in ("bf16", "fp32") and "int8" in ov["precisions"]
     trt = report["backends"]["tensorrt"]
-    assert trt["usable"] or "TensorRT" in trt["why_not"]
+    assert trt["usable"] or ("TensorRT" in trt["why_not"] and trt["install"])
+    assert [b["name"] for b in report["backends"].values() if b["auto"]] == ["onnxruntime"]
+    text = sd_accel("doctor").stdout
+    assert all(f"backend {name}:" in text for name in names())
 
 
 def test_build_list_generate_delete_prune(tmp_path):

@@ -187,13 +187,10 @@ def export_context(unet: torch.nn.Module) -> Iterator[None]:
 # --------------------------------------------------------------------------- the build
 
 
-def default_build_precision(backend_name: str) -> str:
-    """fp16 TensorRT engines, except fp32 when the WebUI runs with ``--no-half``; fp32 on ORT."""
-    from sd_accel.backends.registry import default_precision
-
-    if backend_name == "tensorrt" and host.cmd_flag("no_half"):
-        return "fp32"
-    return default_precision(backend_name)
+def default_build_precision(backend) -> str:
+    """The backend's default, except fp32 for an fp16 default when the WebUI runs with ``--no-half``."""
+    default = backend.default_precision()
+    return "fp32" if default == "fp16" and host.cmd_flag("no_half") else default
 
 
 def _latent_multiple(artifact_folder, spec: LdmUNetSpec) -> int:
@@ -225,7 +222,7 @@ def build_loaded(
 
     be = get_backend(backend_name, cache_root=cache.root)
     info = be.info()
-    precision = default_build_precision(be.name) if precision in (None, "", "auto") else precision
+    precision = default_build_precision(be) if precision in (None, "", "auto") else precision
     if precision not in be.precisions():
         raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
     report = progress or (lambda ev: None)

@@ -54,6 +54,7 @@ class OnnxRuntimeBackend:
     """ONNX Runtime on the CPU provider (the CUDA provider when present and asked for)."""
 
     name = "onnxruntime"
+    torch_device = "cpu"  # the runner takes and returns CPU tensors, whatever the provider
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
@@ -68,6 +69,9 @@ class OnnxRuntimeBackend:
 
     def precisions(self) -> tuple[str, ...]:
         return ("fp32", "int8", "int8-dynamic")
+
+    def default_precision(self) -> str:
+        return "fp32"
 
     def build(
         self,

@@ -66,6 +66,7 @@ class OpenVinoBackend:
     """OpenVINO on the CPU plugin."""
 
     name = "openvino"
+    torch_device = "cpu"
 
     def info(self) -> BackendInfo:
         try:
@@ -77,6 +78,10 @@ class OpenVinoBackend:
     def precisions(self) -> tuple[str, ...]:
         floats = ("fp32", "bf16") if has_bf16() else ("fp32",)
         return floats + (("int8",) if _has_nncf() else ())
+
+    def default_precision(self) -> str:
+        """bf16 where the CPU runs it natively, else fp32."""
+        return "bf16" if has_bf16() else "fp32"
 
     def build(
         self,

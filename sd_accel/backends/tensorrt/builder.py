@@ -14,7 +14,7 @@ from typing import Any
 
 from sd_accel.backends.base import BackendInfo
 from sd_accel.backends.tensorrt.versions import TrtFeatures, features, onnx_precision
-from sd_accel.core import EngineError, Progress, ShapeRanges
+from sd_accel.core import CalibrationSet, EngineError, Progress, ShapeRanges
 from sd_accel.onnx.fp16 import fp16_onnx
 
 ENGINE_FILE = "engine.plan"
@@ -166,6 +166,7 @@ def progress_monitor(trt, progress: Progress):
 
 class TensorRTBackend:
     name = "tensorrt"
+    torch_device = "cuda"
 
     def __init__(self, cache_root: Path | None = None, workspace_bytes: int = DEFAULT_WORKSPACE) -> None:
         self.cache_root = cache_root
@@ -180,14 +181,19 @@ class TensorRTBackend:
     def precisions(self) -> tuple[str, ...]:
         return ("fp16", "fp32")
 
+    def default_precision(self) -> str:
+        return "fp16"
+
     def build_config_kwargs(self, shapes: ShapeRanges, precision: str, version: str, timing_cache: Path | None):
         """Arguments for polygraphy's ``CreateConfig`` that need no TensorRT, and the version's features."""
         feats = features(version)
         return config_kwargs(shapes, precision, feats, timing_cache), feats
 
     def build(
-        self, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path, progress: Progress
+        self, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path, progress: Progress,
+        calibration: CalibrationSet | None = None,
     ) -> list[str]:
+        """Build a serialized engine into ``out_dir``; ``calibration`` is unused (no INT8 here)."""
         ok, version, why = trt_status()
         if not ok:
             raise EngineError(why)
