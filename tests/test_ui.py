@@ -258,3 +258,32 @@ def test_a_cancel_never_hides_an_engine_already_committed():
     assert [(e.stage, e.fraction) for e in events] == [("building", 0.5), ("done", 1.0)]
     with pytest.raises(BuildCancelled):
         tick(0.1, "exporting ONNX")
+
+
+def test_a_host_extends_builds_through_the_public_extension_points(tmp_path):
+    """A host (the WebUI tab) overrides ``build_records`` and ``rebuild_request``; the panel keeps
+    the worker, the lock and the progress around them."""
+    from sd_accel.cache.key import EngineKey
+
+    seen = []
+
+    class Host(PanelState):
+        def rebuild_request(self, record, model):
+            req = super().rebuild_request(record, model)
+            req.model = "host:loaded"
+            return req
+
+        def build_records(self, req, replace, cancel, progress):
+            seen.append((req.model, req.components, req.profile.tag, replace and replace.name))
+            return ["built"], ["vae_encoder"]
+
+    state = Host(engine_dir=str(tmp_path))
+    last = _drain(state.build(BuildRequest(profile=STATIC_64, model="host:loaded", components=("unet",))))[-1]
+    assert last.ok and last.records == ["built"] and "vae_encoder" in last.text
+    key = EngineKey("weights", "unet", "onnxruntime", "1.0", "cpu", "fp32", STATIC_64.tag)
+    with state.cache().build_slot(key, timeout=0) as slot:
+        (slot.dir / "engine.onnx").write_bytes(b"x")
+        slot.commit(["engine.onnx"], {"x": ((1,), (1,), (1,))}, 0.1)
+    assert _drain(state.rebuild(key.name, "builtin:tiny-sd15"))[-1].ok
+    assert seen == [("host:loaded", ("unet",), STATIC_64.tag, None),
+                    ("host:loaded", ("unet",), STATIC_64.tag, key.name)]

@@ -56,7 +56,7 @@ def _counts(webui):
     """(engine calls, torch calls) of the last job (the counters restart with each job)."""
     from sd_accel.webui.controller import controller
 
-    engines = [e for e in controller()._engines.values() if e is not None]
+    engines = controller().loaded()
     return sum(e.stats.engine_calls for e in engines), sum(e.stats.torch_calls for e in engines)
 
 
@@ -289,6 +289,21 @@ def test_the_tab_survives_failures(tmp_path, monkeypatch):
     tabs = webui.script_callbacks.ui_tabs_callback()
     assert [t[1:] for t in tabs] == [("sd-accel", "sd_accel")]
     assert not webui.scripts.scripts_data  # no always-on script without sd-accel
+
+
+def test_the_tabs_rebuild_of_a_webui_engine_exports_the_loaded_checkpoint():
+    from types import SimpleNamespace
+
+    from sd_accel.cache.key import EngineKey
+    from sd_accel.webui.tab import WEBUI_MODEL, WebUIPanelState
+
+    def record(component: str):
+        return SimpleNamespace(key=EngineKey("ckpt-0123", component, "onnxruntime", "1.0", "cpu", "fp32", STATIC.tag))
+
+    state = WebUIPanelState()
+    req = state.rebuild_request(record("ldm_unet"), "builtin:tiny-sd15")
+    assert (req.model, req.components, req.profile) == (WEBUI_MODEL, ("ldm_unet",), STATIC)
+    assert state.rebuild_request(record("unet"), "builtin:tiny-sd15").model == "builtin:tiny-sd15"
 
 
 def test_webui_path_does_not_import_diffusers(tmp_path):

@@ -35,7 +35,7 @@ def _lean(monkeypatch):
 def _job_counts():
     from sd_accel.webui.controller import controller
 
-    engines = [e for e in controller()._engines.values() if e is not None]
+    engines = controller().loaded()
     return sum(e.stats.engine_calls for e in engines), sum(e.stats.torch_calls for e in engines)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +56,12 @@ _PRECISION_RANK = {"int8": 0, "int8-dynamic": 1, "fp16": 2, "bf16": 3, "fp32": 4
 
 class ComponentEngines:
     """Chooses, for each call, a covering engine: the preferred precision (when one is set) first,
-    then static ones, then the nearest to opt, then the faster precision."""
+    then static ones, then the nearest to opt, then the faster precision.
+
+    Made by :func:`sd_accel.runtime.loader.engines_for`. ``fallback_allowed`` (switch it with
+    :meth:`set_fallback`): a call no engine covers runs torch, else raises. ``stats`` counts
+    where the calls went.
+    """
 
     def __init__(self, component: str, handles: list[EngineHandle], fallback: bool = True,
                  prefer_precision: str | None = None) -> None:
@@ -64,6 +70,30 @@ class ComponentEngines:
         self.fallback_allowed = fallback
         self.prefer_precision = prefer_precision
         self.stats = ComponentStats()
+
+    def set_fallback(self, allowed: bool) -> None:
+        """On: a call no engine covers runs torch (counted, said once). Off: it raises EngineError."""
+        self.fallback_allowed = bool(allowed)
+
+    def reset_stats(self) -> ComponentStats:
+        """Start new counters (a new job); returns the old ones."""
+        old, self.stats = self.stats, ComponentStats()
+        return old
+
+    def subset(self, keep: Callable[[EngineHandle], bool]) -> ComponentEngines:
+        """The engines ``keep`` accepts, with this one's fallback, preference and counters (the
+        counters are shared: calls served by either count in one place)."""
+        part = ComponentEngines(self.component, [h for h in self.handles if keep(h)], self.fallback_allowed,
+                                self.prefer_precision)
+        part.stats = self.stats
+        return part
+
+    def close(self) -> None:
+        """Drop loaded runners (TensorRT engines hold GPU memory); a later call loads them again."""
+        for handle in self.handles:
+            if handle.runner is not None:
+                handle.runner.close()
+                handle.runner = None
 
     def _order(self, handle: EngineHandle, feed: dict[str, torch.Tensor]) -> tuple:
         precision = handle.record.key.precision
@@ -93,7 +123,7 @@ class ComponentEngines:
         reason = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
         handle.broken = reason
         log.error("%s: engine %s failed and is marked bad: %s", self.component, handle.name, reason)
-        # Arch and version mismatches never reach here (swap filters them), so what fails now
+        # Arch and version mismatches never reach here (the loader refuses them), so what fails now
         # is the engine itself: a bad checksum, a load or a run error.
         try:
             handle.cache.mark_bad(handle.record.key, reason)

@@ -6,8 +6,9 @@ import logging
 from contextlib import contextmanager
 from typing import Any
 
+from sd_accel.runtime.loader import engines_for
 from sd_accel.runtime.modules import EngineModule, EngineTextEncoder, EngineUNet, EngineVAE
-from sd_accel.runtime.selection import ComponentEngines, EngineHandle
+from sd_accel.runtime.selection import ComponentEngines
 
 log = logging.getLogger("sd_accel")
 
@@ -50,24 +51,6 @@ def torch_modules(pipe):
             _set(pipe, slot, module)
 
 
-def _handles(cache, backend, component: str, fingerprint: str) -> tuple[list[EngineHandle], list[str]]:
-    info = backend.info()
-    handles, refused = [], []
-    for record in cache.find(model=fingerprint, component=component, backend=backend.name):
-        key = record.key
-        if key.arch != info.arch or key.backend_version != info.version:
-            refused.append(
-                f"{key.name} was built for {key.arch} / {backend.name} {key.backend_version}, this machine is "
-                f"{info.arch} / {info.version}: rebuild with build_engines(...) or `sd-accel build`"
-            )
-            continue
-        if getattr(record, "status", "ok") != "ok":
-            refused.append(f"{key.name} is marked bad ({record.bad_reason}); delete and rebuild it")
-            continue
-        handles.append(EngineHandle(record, backend, cache, info.arch, info.version))
-    return handles, refused
-
-
 def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: str | None = None) -> dict[str, int]:
     """Replace each module that has engines in ``cache`` with its engine-backed stand-in.
     ``prefer_precision``: engines of that precision are tried first (``AccelConfig.engine_precision``).
@@ -89,11 +72,9 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         for component in components:
             if component not in specs:
                 continue
-            handles, refused = _handles(cache, backend, component, fingerprint(specs[component].torch_module()))
-            for why in refused:
-                log.warning("not loading engine %s", why)
-            found[component] = len(handles)
-            engines[component] = ComponentEngines(component, handles, fallback, prefer_precision)
+            engines[component] = engines_for(cache, backend, fingerprint(specs[component].torch_module()),
+                                             component, fallback=fallback, prefer_precision=prefer_precision)
+            found[component] = len(engines[component].handles)
         if not any(e.handles for e in engines.values()):
             continue
         wrapper = _wrap(slot, module, engines)
@@ -123,6 +104,16 @@ def _guard_save(pipe) -> None:
 
     object.__setattr__(pipe, "save_pretrained", save_pretrained)
     object.__setattr__(pipe, "_sd_accel_save_guarded", True)
+
+
+def set_fallback(pipe, allowed: bool) -> None:
+    """Switch the torch fallback of every engine-backed module in ``pipe`` (see
+    :meth:`~sd_accel.runtime.selection.ComponentEngines.set_fallback`)."""
+    for slot in SLOTS:
+        module = getattr(pipe, slot, None)
+        if isinstance(module, EngineModule):
+            for engines in module.engines.values():
+                engines.set_fallback(allowed)
 
 
 def stats(pipe) -> dict[str, dict[str, Any]]:

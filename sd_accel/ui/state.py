@@ -392,14 +392,19 @@ class PanelState:
         record = next((r for r in self.cache().list() if r.name == name), None)
         if record is None:
             return iter([BuildUpdate(f"No engine named `{name}`; refresh the table.", 0.0, True, False)])
-        key = record.key
         try:
-            profile = profile_from_tag(key.profile)
+            req = self.rebuild_request(record, model)
         except ValueError as exc:
             return iter([BuildUpdate(f"Cannot rebuild: {exc}", 0.0, True, False)])
-        req = BuildRequest(profile=profile, model=model, components=(key.component,), backend=key.backend,
-                           precision=key.precision)
         return self._run_build(req, record)
+
+    def rebuild_request(self, record, model: str) -> BuildRequest:
+        """What a Rebuild of ``record`` (an ``EngineRecord``) asks :meth:`build_records` for: its
+        component, profile, backend and precision, from ``model``. An extension point: a host
+        (the WebUI tab) overrides it to rebuild its own engines from its own model."""
+        key = record.key
+        return BuildRequest(profile=profile_from_tag(key.profile), model=model, components=(key.component,),
+                            backend=key.backend, precision=key.precision)
 
     def _run_build(self, req: BuildRequest, replace) -> Iterator[BuildUpdate]:
         if not self._lock.acquire(blocking=False):
@@ -428,7 +433,7 @@ class PanelState:
         from sd_accel.build import BuildCancelled
 
         try:
-            records, skipped = self._build_records(req, replace, cancel, events.put)
+            records, skipped = self.build_records(req, replace, cancel, events.put)
             events.put(("done", records, skipped))
         except BuildCancelled:
             events.put(("cancelled", None, None))
@@ -440,9 +445,13 @@ class PanelState:
             self._cancel = None
             self._lock.release()
 
-    def _build_records(self, req: BuildRequest, replace, cancel: threading.Event, progress) -> tuple[list, list[str]]:
-        """The build itself (``replace``: the engine a rebuild deletes first); returns the records
-        and the ticked components this model lacks. The WebUI tab overrides this, not the worker."""
+    def build_records(self, req: BuildRequest, replace, cancel: threading.Event, progress) -> tuple[list, list[str]]:
+        """The build itself, run in the build's worker thread: returns the records and the ticked
+        components this model lacks. ``replace``: the engine a rebuild deletes first (None for a
+        build); ``cancel``: set when the user cancels; ``progress``: takes each ``BuildEvent``.
+
+        An extension point: a host overrides this (the WebUI tab exports its loaded UNet here)
+        and keeps the panel's locking, progress and cancel, which live around it."""
         from sd_accel import build_engines
 
         pipe = self.pipeline(req.model, None)

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
+from sd_accel.runtime import refusal
 from sd_accel.webui.controller import Controller, controller
 
 PREFIX = "/sd-accel"
@@ -65,8 +66,7 @@ def register(app: FastAPI, ctl: Controller | None = None) -> None:
             info = None
 
         def usable(r) -> bool:
-            return bool(info and r.status == "ok" and r.key.backend == info.name and r.key.arch == info.arch
-                        and r.key.backend_version == info.version)
+            return info is not None and refusal(r, info) is None
 
         return {"engine_dir": str(cache.root), "engines": [engine_json(r, usable(r)) for r in cache.list()]}
 

@@ -76,7 +76,7 @@ class Controller:
         return default_preset({"sd2": "sd2-v"}.get(family, family))
 
     def cache(self):
-        from sd_accel.cache.store import EngineCache
+        from sd_accel import EngineCache
 
         return EngineCache(self.engine_dir())
 
@@ -107,27 +107,30 @@ class Controller:
     def release(self) -> None:
         """Close every loaded engine (a deactivated SD-UNet, a changed engine set)."""
         with self._lock:
-            for engines in self._engines.values():
-                if engines is not None:
-                    engines.close()
+            for engines in self.loaded():
+                engines.close()
             self._engines.clear()
+
+    def loaded(self) -> list[LdmEngines]:
+        """The engines loaded now, one entry per weights id (the running job's counters are on them)."""
+        with self._lock:
+            return [e for e in self._engines.values() if e is not None]
 
     def engines_for(self, wid: str) -> LdmEngines | None:
         """Usable engines of weights id ``wid`` on the runtime backend, or None."""
-        from sd_accel.runtime.swap import _handles
+        from sd_accel.runtime import engines_for
 
         backend = self.backend()
         cache = self.cache()
         key = (wid, backend.name, str(cache.root), self._generation)
         with self._lock:
             if key not in self._engines:
-                handles, refused = _handles(cache, backend, COMPONENT, wid)
-                for why in refused:
-                    self.say_once(f"not loading engine {why}")
-                self._engines[key] = LdmEngines(wid, handles, self.fallback()) if handles else None
+                found = engines_for(cache, backend, wid, COMPONENT, fallback=self.fallback(),
+                                    on_refused=lambda why: self.say_once(f"not loading engine {why}"))
+                self._engines[key] = LdmEngines(wid, found) if found.handles else None
             engines = self._engines[key]
             if engines is not None:
-                engines._any.fallback_allowed = engines._general.fallback_allowed = self.fallback()
+                engines.set_fallback(self.fallback())  # the settings page may have changed it
             return engines
 
     def engines_or_reason(self, wid: str | None) -> tuple[LdmEngines | None, str | None]:
@@ -147,10 +150,12 @@ class Controller:
             backend = self.backend()
         except Exception:  # no usable backend: no options to offer
             return []
+        from sd_accel.runtime import refusal
+
         info = backend.info()
         out: dict[str, dict[str, str]] = {}
         for record in self.cache().find(component=COMPONENT, backend=backend.name, arch=info.arch):
-            if record.key.backend_version != info.version or record.status != "ok":
+            if refusal(record, info) is not None:
                 continue
             meta = (record.extra or {}).get("webui") or {}
             ckpt = meta.get("hash") or record.key.model.split("+")[0].removeprefix("ckpt-")
@@ -167,9 +172,8 @@ class Controller:
     def job_started(self) -> None:
         with self._lock:
             self.job = Job()
-            for engines in self._engines.values():
-                if engines is not None:
-                    engines.reset_stats()
+            for engines in self.loaded():
+                engines.reset_stats()
 
     def wanted_weights(self, model=None) -> str | None:
         """The weights id the job samples with (checkpoint hash + the job's LoRAs)."""
@@ -181,8 +185,7 @@ class Controller:
 
     def job_finished(self) -> str | None:
         """Print (and return) the job's one-line report, when any UNet call went through us."""
-        with self._lock:
-            stats = [e.stats for e in self._engines.values() if e is not None]
+        stats = [e.stats for e in self.loaded()]
         engine_calls = sum(s.engine_calls for s in stats)
         torch_calls = sum(s.torch_calls for s in stats)
         if not engine_calls and not torch_calls and not self.job.notes:

@@ -11,13 +11,12 @@ independently, so chunks give the same result); what no engine covers runs in Py
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from sd_accel.components.ldm_unet import COMPONENT, latent_ok
-from sd_accel.runtime.selection import ComponentEngines, EngineHandle
-from sd_accel.runtime.stats import ComponentStats
+from sd_accel.components.ldm_unet import latent_ok
+from sd_accel.core import covers
+from sd_accel.runtime import ComponentEngines, ComponentStats, EngineHandle
 
 TorchCall = Callable[[slice], torch.Tensor]  # runs the torch UNet on a batch slice of the call
 
@@ -27,49 +26,44 @@ def _latent_multiple(handle: EngineHandle) -> int:
     return int((extra.get("webui") or {}).get("latent_multiple", 1) or 1)
 
 
-def _covers_batch(handle: EngineHandle, shapes: dict[str, tuple[int, ...]], batch: int) -> bool:
-    """Whether ``handle`` serves the call's shapes with the batch axis set to ``batch``."""
-    if set(shapes) != set(handle.shapes):
-        return False
-    for name, shape in shapes.items():
-        lo, _, hi = handle.shapes[name]
-        if len(lo) != len(shape):
-            return False
-        dims = (batch, *shape[1:])
-        if any(not (a <= d <= b) for a, d, b in zip(lo, dims, hi, strict=True)):
-            return False
-    return True
-
-
-@dataclass
 class LdmEngines:
-    """The engines of one weights id, ready to serve ``diffusion_model`` calls."""
+    """The engines of one weights id, ready to serve ``diffusion_model`` calls.
 
-    weights_id: str
-    handles: list[EngineHandle]
-    fallback: bool = True
+    ``engines``: what :func:`sd_accel.runtime.engines_for` gave for the weights id and the
+    ``ldm_unet`` component (its fallback setting is kept; switch it with :meth:`set_fallback`).
+    """
 
-    def __post_init__(self) -> None:
-        self.stats = ComponentStats()
+    def __init__(self, weights_id: str, engines: ComponentEngines) -> None:
+        self.weights_id = weights_id
         # Engines traced at a divisible latent size serve only multiples of it (see ldm_unet);
-        # a call at another size must not reach them.
-        self._any = ComponentEngines(COMPONENT, self.handles, self.fallback)
-        general = [h for h in self.handles if _latent_multiple(h) <= 1]
-        self._general = ComponentEngines(COMPONENT, general, self.fallback)
+        # a call at another size must not reach them. Both sets count in one ComponentStats.
+        self._any = engines
+        self._general = engines.subset(lambda h: _latent_multiple(h) <= 1)
         self.reset_stats()
+
+    @property
+    def handles(self) -> list[EngineHandle]:
+        return self._any.handles
+
+    @property
+    def stats(self) -> ComponentStats:
+        """This job's counters: engine calls, torch calls and why."""
+        return self._any.stats
+
+    def set_fallback(self, allowed: bool) -> None:
+        """On: a call no engine covers runs the torch UNet. Off: it raises EngineError (stops the job)."""
+        self._any.set_fallback(allowed)
+        self._general.set_fallback(allowed)
 
     def reset_stats(self) -> ComponentStats:
         """Start new counters (one job); returns the old ones."""
-        old, self.stats = self.stats, ComponentStats()
-        self._any.stats = self._general.stats = self.stats
+        old = self._any.reset_stats()
+        self._general.stats = self._any.stats
         return old
 
     def close(self) -> None:
         """Drop loaded runners (TensorRT engines hold GPU memory)."""
-        for handle in self.handles:
-            if handle.runner is not None:
-                handle.runner.close()
-                handle.runner = None
+        self._any.close()
 
     def _pick(self, latent_hw: tuple[int, int]) -> ComponentEngines:
         multiples = {_latent_multiple(h) for h in self.handles}
@@ -106,12 +100,16 @@ class LdmEngines:
     def _chunks(self, engines: ComponentEngines, feed: dict[str, torch.Tensor], batch: int) -> list[slice]:
         """Slices of the batch: each the largest size some live engine covers; one slice for
         the whole call when none covers any size (then the call is one counted fallback)."""
-        shapes = {k: tuple(v.shape) for k, v in feed.items()}
         live = [h for h in engines.handles if h.broken is None]
+
+        def served(size: int) -> bool:  # some live engine covers the call cut to ``size`` rows
+            part = {k: v[:size] for k, v in feed.items()}  # views: nothing is copied
+            return any(covers(h.shapes, part) for h in live)
+
         parts, start = [], 0
         while start < batch:
             left = batch - start
-            size = next((b for b in range(left, 0, -1) if any(_covers_batch(h, shapes, b) for h in live)), None)
+            size = next((b for b in range(left, 0, -1) if served(b)), None)
             if size is None:  # nothing covers what is left: one torch call for all of it
                 size = left
             parts.append(slice(start, start + size))

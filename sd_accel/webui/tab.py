@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from sd_accel.components.ldm_unet import COMPONENT
 from sd_accel.core import InvalidValue
-from sd_accel.ui.state import BuildRequest, GenerateRequest, PanelState, profile_from_tag
+from sd_accel.ui.state import BuildRequest, GenerateRequest, PanelState
 from sd_accel.webui import host
 from sd_accel.webui.controller import OPT_BACKEND, OPT_ENGINE_DIR, controller
 
@@ -80,21 +80,19 @@ class WebUIPanelState(PanelState):
                              "txt2img / img2img use the engines without it.")
         return super().generate(req)
 
-    def rebuild(self, name: str, model: str):
-        record = next((r for r in self.cache().list() if r.name == name), None)
-        if record is not None and record.key.component == COMPONENT:
-            req = BuildRequest(profile=profile_from_tag(record.key.profile), model=WEBUI_MODEL,
-                               components=(COMPONENT,), backend=record.key.backend,
-                               precision=record.key.precision)
-            return self._run_build(req, record)
-        return super().rebuild(name, model)
+    def rebuild_request(self, record, model: str) -> BuildRequest:
+        """The WebUI's UNet engines are rebuilt from the loaded checkpoint, whatever the Model box says."""
+        req = super().rebuild_request(record, model)
+        if record.key.component == COMPONENT:
+            req.model = WEBUI_MODEL
+        return req
 
-    def _build_records(self, req: BuildRequest, replace, cancel: threading.Event, progress) -> tuple[list, list[str]]:
+    def build_records(self, req: BuildRequest, replace, cancel: threading.Event, progress) -> tuple[list, list[str]]:
         """The WebUI's model: export its UNet. Other models: the panel's diffusers path."""
         if not is_webui_model(req.model):
             if replace is not None and replace.key.component == COMPONENT:
                 raise InvalidValue(f"that engine is the WebUI's UNet: set the Model box to {WEBUI_MODEL} to rebuild it")
-            return super()._build_records(req, replace, cancel, progress)
+            return super().build_records(req, replace, cancel, progress)
         from sd_accel.webui.export import export_source
         from sd_accel.webui.jobs import build_for_checkpoint
 
