@@ -81,7 +81,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _row(r) -> dict[str, Any]:
-    from sd_accel.cache.store import format_size
+    from sd_accel.units import format_size
 
     v = r.validation or {}
     return {
@@ -110,7 +110,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from sd_accel.cache.store import EngineCache, format_size
+    from sd_accel.cache.store import EngineCache
+    from sd_accel.units import format_size
 
     cache = EngineCache(args.engine_dir)
     rows = [_row(r) for r in sorted(cache.list(), key=lambda r: r.name)]
@@ -138,7 +139,8 @@ def _cmd_delete(args: argparse.Namespace) -> int:
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    from sd_accel.cache.store import EngineCache, format_size, parse_age, parse_size
+    from sd_accel.cache.store import EngineCache
+    from sd_accel.units import format_size, parse_age, parse_size
 
     if args.max_size is None and args.older_than is None:
         raise InvalidValue("prune needs --max-size and/or --older-than")

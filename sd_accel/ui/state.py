@@ -108,7 +108,7 @@ def profile_from_tag(tag: str) -> Profile:
 
 def engine_rows(cache) -> list[list[str]]:
     """One row per engine in ``cache`` (an :class:`EngineCache`), columns :data:`ENGINE_HEADERS`."""
-    from sd_accel.cache.store import format_size
+    from sd_accel.units import format_size
 
     rows = []
     for r in cache.list():
@@ -136,7 +136,7 @@ def engine_names(cache) -> list[str]:
 
 def disk_usage(cache) -> str:
     """One line: how many engines, how much disk, where."""
-    from sd_accel.cache.store import format_size
+    from sd_accel.units import format_size
 
     n = len(cache.list())
     return f"{n} engine{'s' if n != 1 else ''}, {format_size(cache.total_size())} on disk in `{cache.root}`"
