@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from sd_accel.components.ldm_unet import COMPONENT
 from sd_accel.core import InvalidValue
-from sd_accel.ui.state import BuildRequest, GenerateRequest, PanelState, profile_from_tag
+from sd_accel.profiles import Profile
+from sd_accel.ui.state import BuildRequest, GenerateRequest, PanelState
 from sd_accel.webui import host
 from sd_accel.webui.controller import OPT_BACKEND, OPT_ENGINE_DIR, controller
 
@@ -83,7 +84,7 @@ class WebUIPanelState(PanelState):
     def rebuild(self, name: str, model: str):
         record = next((r for r in self.cache().list() if r.name == name), None)
         if record is not None and record.key.component == COMPONENT:
-            req = BuildRequest(profile=profile_from_tag(record.key.profile), model=WEBUI_MODEL,
+            req = BuildRequest(profile=Profile.from_tag(record.key.profile), model=WEBUI_MODEL,
                                components=(COMPONENT,), backend=record.key.backend,
                                precision=record.key.precision)
             return self._run_build(req, record)
