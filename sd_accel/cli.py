@@ -15,16 +15,26 @@ DEFAULT_MODEL = "builtin:tiny-sd15"
 
 
 def _size(text: str) -> tuple[int, int]:
+    """``WIDTHxHEIGHT`` as two ints; their values are GenerationParams' to check."""
     try:
         w, h = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must look like 512x768, got {text!r}") from None
-    if w <= 0 or h <= 0 or w % 8 or h % 8:
-        raise argparse.ArgumentTypeError(f"width and height must be positive multiples of 8, got {text!r}")
     return w, h
 
 
+def _generation_params(args: argparse.Namespace):
+    """The request in ``args`` as a GenerationParams: InvalidValue (one line, exit 2) if a value is bad."""
+    from sd_accel.generate import GenerationParams
+
+    width, height = args.size if args.size else (None, None)
+    return GenerationParams(prompt=args.prompt, negative_prompt=args.negative, steps=args.steps, cfg=args.cfg,
+                            width=width, height=height, batch=args.batch, seed=args.seed, sampler=args.sampler)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    request = _generation_params(args)  # before importing torch or loading: a bad number fails at once
+
     from sd_accel import AccelConfig, accelerate, load_pipeline
     from sd_accel.generate import generate, parameters_text, save_png
 
@@ -37,12 +47,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     pipe = accelerate(pipe, config)
     t_accel = time.perf_counter() - t0
-    width, height = args.size if args.size else (None, None)
-    result = generate(pipe, args.prompt, negative_prompt=args.negative, steps=args.steps, cfg=args.cfg,
-                      width=width, height=height, batch=args.batch, seed=args.seed)
+    result = generate(pipe, request)
     image = result.images[0]
-    params = parameters_text(args.prompt, args.negative, args.steps, pipe.sd_accel.sampler, args.cfg,
-                             args.seed, image.width, image.height, args.model)
+    params = parameters_text(request.prompt, request.negative_prompt, request.steps, pipe.sd_accel.sampler,
+                             request.cfg, result.seed, image.width, image.height, args.model)
     paths = []
     for i, img in enumerate(result.images):
         out = args.out if i == 0 else args.out.with_name(f"{args.out.stem}-{i}{args.out.suffix}")
@@ -52,6 +60,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "family": pipe.sd_accel_model.family,
         "images": paths,
         "size": f"{image.width}x{image.height}",
+        "seed": result.seed,
         "load_s": round(t_load, 3),
         "accelerate_s": round(t_accel, 3),
         "generate_s": round(result.seconds, 3),
@@ -109,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampler", default=None, help='a WebUI sampler name, e.g. "DPM++ 2M Karras"')
     gen.add_argument("--steps", type=int, default=20)
     gen.add_argument("--cfg", type=float, default=7.0)
-    gen.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT, multiples of 8")
+    gen.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT, multiples of 8 (default: the model's)")
     gen.add_argument("--batch", type=int, default=1)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="-1 draws a random seed (the report shows it)")
     gen.add_argument("--attention", choices=ATTENTION, default="auto")
     gen.add_argument("--precision", choices=PRECISION, default="auto")
     gen.add_argument("--offload", choices=OFFLOAD, default="none")

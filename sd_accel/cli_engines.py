@@ -17,19 +17,17 @@ COMPONENT_ALIASES = {
 }
 
 
-def parse_range(text: str) -> tuple[int, int, int]:
-    """``512`` -> (512, 512, 512); ``512-768`` -> (512, 512, 768); ``512-640-768`` -> min, opt, max."""
-    try:
-        parts = [int(p) for p in text.split("-")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N, MIN-MAX or MIN-OPT-MAX, got {text!r}") from None
-    if len(parts) == 1:
-        return parts[0], parts[0], parts[0]
-    if len(parts) == 2:
-        return parts[0], parts[0], parts[1]
-    if len(parts) == 3:
-        return parts[0], parts[1], parts[2]
-    raise argparse.ArgumentTypeError(f"expected N, MIN-MAX or MIN-OPT-MAX, got {text!r}")
+def _range_arg(name: str):
+    """An argparse ``type`` reading ``--<name>`` in the one range grammar (:func:`parse_range`)."""
+    from sd_accel.profiles import parse_range
+
+    def read(text: str) -> tuple[int, int, int]:
+        try:
+            return parse_range(name, text)
+        except InvalidValue as exc:  # argparse shows only an ArgumentTypeError's own message
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return read
 
 
 def _components(text: str | None, available: list[str]) -> list[str] | None:
@@ -82,7 +80,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _row(r) -> dict[str, Any]:
-    from sd_accel.cache.store import format_size
+    from sd_accel.units import format_size
 
     v = r.validation or {}
     return {
@@ -111,7 +109,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from sd_accel.cache.store import EngineCache, format_size
+    from sd_accel import EngineCache
+    from sd_accel.units import format_size
 
     cache = EngineCache(args.engine_dir)
     rows = [_row(r) for r in sorted(cache.list(), key=lambda r: r.name)]
@@ -129,7 +128,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_delete(args: argparse.Namespace) -> int:
-    from sd_accel.cache.store import EngineCache
+    from sd_accel import EngineCache
 
     cache = EngineCache(args.engine_dir)
     if not cache.delete(args.key):
@@ -139,7 +138,8 @@ def _cmd_delete(args: argparse.Namespace) -> int:
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    from sd_accel.cache.store import EngineCache, format_size, parse_age, parse_size
+    from sd_accel import EngineCache
+    from sd_accel.units import format_size, parse_age, parse_size
 
     if args.max_size is None and args.older_than is None:
         raise InvalidValue("prune needs --max-size and/or --older-than")
@@ -191,7 +191,7 @@ def add_commands(sub, engine_args) -> None:
     b.add_argument("--model", default="builtin:tiny-sd15")
     b.add_argument("--preset", default=None, help="static-512, dynamic-512-768, ... (default: by model family)")
     for dim in ("batch", "height", "width", "tokens"):
-        b.add_argument(f"--{dim}", type=parse_range, default=None, help="N, MIN-MAX or MIN-OPT-MAX")
+        b.add_argument(f"--{dim}", type=_range_arg(dim), default=None, help="N, MIN-MAX (opt = MIN) or MIN-OPT-MAX")
     b.add_argument("--static", action="store_true", help="a static profile from single values")
     b.add_argument("--components", default=None, help="comma list: unet,vae,clip (default: all)")
     b.add_argument("--backend", choices=BACKENDS, default="auto")
@@ -227,5 +227,5 @@ def add_commands(sub, engine_args) -> None:
     ui.set_defaults(func=_cmd_ui)
 
 
-__all__ = ["add_commands", "parse_range"]
+__all__ = ["add_commands"]
 

@@ -9,11 +9,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from sd_accel.core import InvalidValue
+from sd_accel.core import InvalidType, InvalidValue
 
 MAX_STEPS = 150  # the WebUI's slider maximum
 MAX_BATCH = 64
@@ -26,8 +25,11 @@ class GenerationParams:
     """One generation request, validated once for every face (CLI, panel, WebUI API, server).
 
     ``width``/``height`` None take the model's default size; ``seed=-1`` draws a random seed
-    (``resolved_seed``). Every invalid value raises ``InvalidValue`` naming the field, as
-    ``AccelConfig`` does.
+    (``resolved_seed``). ``sampler`` is checked here; the faces hand it to
+    ``AccelConfig(sampler=...)``, which puts that scheduler on the pipeline that :func:`generate`
+    runs. Every invalid value raises ``InvalidValue`` naming the field, as ``AccelConfig`` does.
+    Building one imports neither torch nor diffusers, so a face can check a request before it
+    loads a model.
 
     >>> GenerationParams(prompt="a cat", steps=0)
     Traceback (most recent call last):
@@ -95,46 +97,49 @@ class GenerationResult:
     steps: int
     unet_calls: int
     timings: dict[str, float] = field(default_factory=dict)
+    seed: int = 0  # the seed the run used (a drawn one for seed=-1)
 
     @property
     def it_per_s(self) -> float:
         return self.steps / self.seconds if self.seconds else 0.0
 
 
-def generate(
-    pipe,
-    prompt: str,
-    *,
-    negative_prompt: str | None = None,
-    steps: int = 20,
-    cfg: float = 7.0,
-    width: int | None = None,
-    height: int | None = None,
-    batch: int = 1,
-    seed: int = 0,
-) -> GenerationResult:
-    """Run ``pipe`` once and time it. The UNet calls are counted, so second-order samplers show."""
+def generate(pipe, params: GenerationParams) -> GenerationResult:
+    """Run ``pipe`` once for ``params`` and time it. The UNet calls are counted, so second-order
+    samplers show.
+
+    >>> result = generate(pipe, GenerationParams(prompt="a cat", steps=4, width=512, height=512))  # doctest: +SKIP
+    >>> result.it_per_s, result.unet_calls, result.seed                                           # doctest: +SKIP
+    """
+    import torch
+
+    if not isinstance(params, GenerationParams):
+        raise InvalidType(
+            f"generate() takes a GenerationParams, got {type(params).__name__}: "
+            "generate(pipe, GenerationParams(prompt=..., steps=...))"
+        )
+    seed = params.resolved_seed()
     calls = {"n": 0}
     hook = pipe.unet.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     generator = torch.Generator("cpu").manual_seed(seed)
     kwargs: dict[str, Any] = dict(
-        prompt=prompt,
-        negative_prompt=negative_prompt,
-        num_inference_steps=steps,
-        guidance_scale=cfg,
-        num_images_per_prompt=batch,
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        num_inference_steps=params.steps,
+        guidance_scale=params.cfg,
+        num_images_per_prompt=params.batch,
         generator=generator,
     )
-    if width:
-        kwargs["width"] = width
-    if height:
-        kwargs["height"] = height
+    if params.width:
+        kwargs["width"] = params.width
+    if params.height:
+        kwargs["height"] = params.height
     start = time.perf_counter()
     try:
         images = pipe(**kwargs).images
     finally:
         hook.remove()
-    return GenerationResult(images, time.perf_counter() - start, steps, calls["n"])
+    return GenerationResult(images, time.perf_counter() - start, params.steps, calls["n"], seed=seed)
 
 
 def save_png(image: Image.Image, path: str | Path, parameters: str) -> Path:

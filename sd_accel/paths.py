@@ -17,3 +17,16 @@ def cache_dir() -> Path:
     path = Path(env) if env else Path(platformdirs.user_cache_dir("sd-accel"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def default_engine_dir() -> Path:
+    """The engine cache's default root: ``$SD_ACCEL_ENGINE_DIR``, else ``./engines``.
+
+    ``./engines`` is relative to the current working directory at the time of the call; unlike
+    :func:`cache_dir`, the folder is not created here (the cache creates it on its first write).
+
+    >>> default_engine_dir()  # with SD_ACCEL_ENGINE_DIR=/data/engines      # doctest: +SKIP
+    PosixPath('/data/engines')
+    """
+    env = os.environ.get("SD_ACCEL_ENGINE_DIR")
+    return Path(env).expanduser() if env else Path.cwd() / "engines"

@@ -3,10 +3,15 @@
 A profile is in the user's terms (images per prompt, pixel height and width, prompt tokens);
 each component turns it into min/opt/max shapes for its own inputs (the UNet's batch doubles
 for classifier-free guidance, its latents are 1/8 of the image, and so on).
+
+One grammar writes a range everywhere a person types one (the CLI's ``--batch/--height/--width/
+--tokens``, the panel's range boxes): ``512`` (static), ``512-768`` (min-max, opt = min) or
+``256-512-768`` (min-opt-max). :func:`parse_range` reads it, :func:`format_range` writes it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +19,48 @@ from sd_accel.core import InvalidValue
 
 Range = tuple[int, int, int]
 TOKEN_CHUNK = 77  # 75 prompt tokens + start + end; longer prompts come in multiples of 77
+DIMENSIONS = ("batch", "height", "width", "tokens")
+RANGE_GRAMMAR = "N (static), MIN-MAX (opt = MIN) or MIN-OPT-MAX, e.g. 512, 512-768 or 256-512-768"
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?(?:-\s*(\d+)\s*)?$")
+
+
+def parse_range(name: str, text: str | int) -> Range:
+    """A range as people type it: ``N``, ``MIN-MAX`` (opt = MIN) or ``MIN-OPT-MAX``.
+
+    ``name`` (``"height"``, ...) only names the range in the error. Values are not checked
+    here: :class:`Profile` says what is wrong with them (order, multiples of 8, ...).
+
+    >>> parse_range("height", "512"), parse_range("height", "512-768"), parse_range("height", "256-512-768")
+    ((512, 512, 512), (512, 512, 768), (256, 512, 768))
+    >>> parse_range("height", "256, 512, 768")
+    Traceback (most recent call last):
+    ...
+    sd_accel.core.InvalidValue: cannot read the height range '256, 512, 768': write N (static), MIN-MAX (opt = MIN) or MIN-OPT-MAX, e.g. 512, 512-768 or 256-512-768
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text, text, text
+    match = _RANGE.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise InvalidValue(f"cannot read the {name} range {text!r}: write {RANGE_GRAMMAR}")
+    lo, second, third = (None if v is None else int(v) for v in match.groups())
+    if second is None:
+        return lo, lo, lo
+    if third is None:
+        return lo, lo, second
+    return lo, second, third
+
+
+def format_range(r: Range) -> str:
+    """The inverse of :func:`parse_range`: the shortest text that reads back as ``r``.
+
+    >>> format_range((512, 512, 512)), format_range((512, 512, 768)), format_range((256, 512, 768))
+    ('512', '512-768', '256-512-768')
+    """
+    lo, opt, hi = r
+    if lo == opt == hi:
+        return str(lo)
+    return f"{lo}-{hi}" if opt == lo else f"{lo}-{opt}-{hi}"
 
 
 def _range(name: str, value: Any) -> Range:
@@ -81,6 +128,39 @@ class Profile:
         if self.static:
             return "static." + body
         return f"{body}.opt{self.batch[1]}x{self.height[1]}x{self.width[1]}"
+
+    @classmethod
+    def from_tag(cls, tag: str) -> Profile:
+        """The profile a :attr:`tag` names (engine folders, for Rebuild). InvalidValue if none does.
+
+        The tag does not hold the tokens' opt: it is taken as min, as ``MIN-MAX`` ranges do.
+
+        >>> Profile.from_tag("b1-2.h64-136.w64-136.t77-154.opt1x64x64").height
+        (64, 64, 136)
+        """
+        body, opt_text = tag, None
+        if body.startswith("static."):
+            body = body[len("static."):]
+        else:
+            body, _, opt_text = body.rpartition(".opt")
+        parts = body.split(".")
+        try:
+            if len(parts) != len(DIMENSIONS) or [p[:1] for p in parts] != [d[0] for d in DIMENSIONS]:
+                raise InvalidValue("not b.h.w.t")
+            ranges = {d: parse_range(d, p[1:]) for d, p in zip(DIMENSIONS, parts, strict=True)}
+            if opt_text is not None:
+                opts = [int(v) for v in opt_text.split("x")]
+                for d, value in zip(DIMENSIONS[:3], opts, strict=True):
+                    ranges[d] = (ranges[d][0], value, ranges[d][2])
+            profile = cls(**ranges)
+        except ValueError:
+            profile = None
+        if profile is None or profile.tag != tag:
+            raise InvalidValue(
+                f"{tag!r} is not a profile tag (like 'static.b1.h512.w512.t77' or "
+                "'b1-4.h512-768.w512-768.t77-154.opt1x512x512'); give the ranges instead"
+            )
+        return profile
 
     def to_dict(self) -> dict[str, list[int]]:
         return {k: list(getattr(self, k)) for k in ("batch", "height", "width", "tokens")}

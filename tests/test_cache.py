@@ -15,17 +15,11 @@ import pytest
 
 from sd_accel.cache import store
 from sd_accel.cache.key import EngineKey
-from sd_accel.cache.store import (
-    INDEX_FILE,
-    INDEX_SCHEMA,
-    META_FILE,
-    EngineCache,
-    EngineRecord,
-    default_engine_dir,
-    parse_age,
-    parse_size,
-)
+from sd_accel.cache.record import META_FILE, EngineRecord
+from sd_accel.cache.store import INDEX_FILE, INDEX_SCHEMA, EngineCache
 from sd_accel.core import EngineError
+from sd_accel.paths import default_engine_dir
+from sd_accel.units import format_size
 
 SHAPES = {"sample": ((1, 4, 8, 8), (2, 4, 8, 8), (2, 4, 16, 16)), "t": ((1,), (1,), (1,))}
 VALIDATION = {"max_abs": 1e-4, "rel_l2": 2e-5, "ok": True}
@@ -496,14 +490,14 @@ def test_disk_full_writing_meta_keeps_the_old_engine(
 ) -> None:
     key = make_key()
     old = build(cache, key)
-    real_write = store._write_json_atomic
+    real_write = store.write_json_atomic
 
     def full_disk_for_meta(path: Path, data: object) -> None:
         if path.name == META_FILE:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real_write(path, data)
 
-    monkeypatch.setattr(store, "_write_json_atomic", full_disk_for_meta)
+    monkeypatch.setattr(store, "write_json_atomic", full_disk_for_meta)
     with pytest.raises(EngineError, match="disk is full"), cache.build_slot(key, force=True) as slot:
         assert slot is not None
         (slot.dir / "model.onnx").write_bytes(b"new engine")
@@ -522,7 +516,7 @@ def test_known_need_is_checked_against_free_space_before_building(cache: EngineC
         cache.build_slot(make_key(), need_bytes=need),
     ):
         pass
-    assert store.format_size(need) in str(info.value)
+    assert format_size(need) in str(info.value)
     assert leftovers(cache) == [] and lock_is_free(cache, make_key())
 
 
@@ -590,53 +584,6 @@ def test_default_engine_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert default_engine_dir() == tmp_path / "engines"
     assert EngineCache().root == tmp_path / "engines"
     assert EngineCache("rel").root == tmp_path / "rel"
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("20GB", 20_000_000_000),
-        ("20gb", 20_000_000_000),
-        ("1.5 TB", 1_500_000_000_000),
-        ("500MB", 500_000_000),
-        ("10KB", 10_000),
-        ("2KiB", 2048),
-        ("1GiB", 1 << 30),
-        ("7B", 7),
-        ("4096", 4096),
-        ("3G", 3_000_000_000),
-    ],
-)
-def test_parse_size(text: str, expected: int) -> None:
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("30d", 30 * 86400.0),
-        ("2w", 14 * 86400.0),
-        ("12h", 43200.0),
-        ("15m", 900.0),
-        ("90s", 90.0),
-        ("1.5h", 5400.0),
-        ("45", 45.0),
-    ],
-)
-def test_parse_age(text: str, expected: float) -> None:
-    assert parse_age(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "GB", "20 parsecs", "-5GB", "1e3", "twenty"])
-def test_parse_size_rejects_nonsense(text: str) -> None:
-    with pytest.raises(ValueError, match="Cannot read size"):
-        parse_size(text)
-
-
-@pytest.mark.parametrize("text", ["", "d", "3 months", "-1d", "5y"])
-def test_parse_age_rejects_nonsense(text: str) -> None:
-    with pytest.raises(ValueError, match="Cannot read age"):
-        parse_age(text)
 
 
 def test_record_round_trips_through_json() -> None:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 
 
@@ -26,7 +27,7 @@ def test_generate_saves_png_with_parameters_and_reports(tmp_path):
     assert report["model"] == "builtin:tiny-sd15"
     assert report["images"] == [str(out)]
     assert report["dtype"] == "bf16" and report["attention"] == "sdpa"
-    assert report["unet_calls"] == 2
+    assert report["unet_calls"] == 2 and report["seed"] == 7
     assert report["generate_s"] > 0 and report["it_per_s"] > 0
     image = Image.open(out)
     assert image.size == (64, 64)
@@ -43,10 +44,32 @@ def test_bad_model_path_is_one_clear_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_bad_size_is_rejected_by_the_parser(tmp_path):
-    proc = sd_accel("generate", "--size", "65x64", "--out", str(tmp_path / "x.png"))
+def test_unreadable_size_is_rejected_by_the_parser(tmp_path):
+    proc = sd_accel("generate", "--size", "64by64", "--out", str(tmp_path / "x.png"))
     assert proc.returncode == 2
-    assert "multiples of 8" in proc.stderr
+    assert "size must look like 512x768" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--steps", "0"], "GenerationParams.steps=0 is not valid; allowed: an integer from 1 to 150"),
+        (["--steps", "-3"], "GenerationParams.steps=-3 is not valid"),
+        (["--cfg", "nan"], "GenerationParams.cfg=nan is not valid; allowed: a finite number"),
+        (["--batch", "0"], "GenerationParams.batch=0 is not valid"),
+        (["--size", "65x64"], "GenerationParams.width=65 is not valid; allowed: a multiple of 8"),
+        (["--size", "64x60"], "GenerationParams.height=60 is not valid"),
+        (["--sampler", "Eular"], "unknown sampler 'Eular'; closest matches: Euler"),
+        (["--seed", "-2"], "GenerationParams.seed=-2 is not valid"),
+    ],
+)
+def test_bad_generation_numbers_are_one_clear_line_before_anything_loads(tmp_path, args, expected):
+    out = tmp_path / "x.png"
+    proc = sd_accel("generate", *args, "--out", str(out))
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sd-accel: error: ") and expected in lines[0], proc.stderr
+    assert not out.exists() and proc.stdout == ""
 
 
 def test_samplers_lists_presets():
@@ -124,6 +147,10 @@ def test_build_bad_model_and_bad_ranges(tmp_path):
     assert proc.returncode == 2 and "--static needs single values" in proc.stderr
     proc = sd_accel("build", "--height", "60", "--width", "64", "--engine-dir", str(tmp_path))
     assert proc.returncode == 2 and "multiples of 8" in proc.stderr
+    # the one range grammar: N, MIN-MAX or MIN-OPT-MAX (the panel's boxes read the same)
+    proc = sd_accel("build", "--height", "64, 128", "--width", "64", "--engine-dir", str(tmp_path))
+    assert proc.returncode == 2 and "cannot read the height range '64, 128'" in proc.stderr
+    assert "MIN-OPT-MAX" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_ctrl_c_during_build_leaves_no_partial_engine_or_lock(tmp_path):

@@ -4,11 +4,13 @@ One build of the tiny SD 1.5 model (clip, unet, vae_decoder at 64x64) serves mos
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
 import pytest
 
+from sd_accel.core import InvalidValue
 from sd_accel.profiles import PRESETS, Profile
 from sd_accel.ui.state import (
     BuildRequest,
@@ -18,10 +20,8 @@ from sd_accel.ui.state import (
     disk_usage,
     engine_names,
     engine_rows,
-    parse_range,
     preset_fields,
     profile_from_fields,
-    profile_from_tag,
     usage_text,
 )
 
@@ -51,30 +51,27 @@ def built(tmp_path_factory):
 # --------------------------------------------------------------------------- fields and profiles
 
 
-def test_range_fields_parse_and_teach():
-    assert parse_range("batch", "2") == (2, 2, 2)
-    assert parse_range("height", "256, 512, 768") == (256, 512, 768)
-    assert parse_range("height", "256/512/768") == (256, 512, 768)
-    with pytest.raises(ValueError, match="min, opt, max"):
-        parse_range("width", "256, 512")
-    with pytest.raises(ValueError, match="min, opt, max"):
-        parse_range("width", "big")
+def test_range_fields_read_the_one_range_grammar_and_teach_it():
+    # the CLI's grammar (sd_accel.profiles.parse_range): N, MIN-MAX (opt = MIN), MIN-OPT-MAX
+    assert profile_from_fields("1-4", "256-512-768", "512-768", "77-154") == Profile(
+        batch=(1, 1, 4), height=(256, 512, 768), width=(512, 512, 768), tokens=(77, 77, 154))
     assert profile_from_fields("1", "64", "64", "77") == STATIC_64
+    for old_form in ("256, 512, 768", "256/512/768"):
+        with pytest.raises(ValueError, match="cannot read the height range .*MIN-OPT-MAX"):
+            profile_from_fields("1", old_form, "64", "77")
     with pytest.raises(ValueError, match="multiples of 8"):
         profile_from_fields("1", "60", "64", "77")
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_preset_fields_and_tags_round_trip(name):
+def test_preset_fields_read_back_as_the_preset(name):
     assert profile_from_fields(*preset_fields(name)) == PRESETS[name]
-    assert profile_from_tag(PRESETS[name].tag).tag == PRESETS[name].tag
 
 
-def test_profile_from_tag_of_a_dynamic_profile():
-    p = Profile(batch=(1, 1, 2), height=(64, 64, 136), width=(64, 72, 136), tokens=(77, 77, 154))
-    assert profile_from_tag(p.tag) == p
-    with pytest.raises(ValueError):
-        profile_from_tag("b1.h64")
+def test_preset_fields_are_written_in_the_grammar():
+    assert preset_fields("static-512") == ("1", "512", "512", "77")
+    assert preset_fields("dynamic-512-768") == ("1-4", "512-768", "512-768", "77-154")
+    assert preset_fields("dynamic-256-512") == ("1-4", "256-512-512", "256-512-512", "77-154")
 
 
 def test_settings_validate_and_map_to_builds(tmp_path):
@@ -134,7 +131,7 @@ def test_generation_report_names_engine_or_torch(built):
     assert out.usage["unet"] == "engine (2 calls)"
     assert out.usage["clip"] == "engine (2 calls)" and out.usage["vae_decoder"] == "engine (1 call)"
     report = out.report()
-    assert "it/s" in report and "| unet | engine (2 calls) |" in report
+    assert "it/s" in report and "| unet | engine (2 calls) |" in report and "seed 0" in report
     # 72 px wide: no engine covers it, so torch runs, and the report says why.
     wide = state.generate(GenerateRequest(prompt="a cat", width=72, height=64, steps=2, sampler="Euler"))
     assert wide.usage["unet"].startswith("torch (2 calls: no engine covers")
@@ -200,6 +197,54 @@ def test_a_bad_build_request_is_reported_not_raised(tmp_path):
     updates = _drain(state.build(BuildRequest(profile=STATIC_64, components=())))
     assert not updates[-1].ok and "at least one component" in updates[-1].text
     assert not state.building
+
+
+BAD_GENERATIONS = [
+    (dict(steps=0), "GenerationParams.steps=0 is not valid"),
+    (dict(steps=-3), "GenerationParams.steps=-3 is not valid"),
+    (dict(steps=2.5), "GenerationParams.steps=2.5 is not valid"),
+    (dict(cfg=float("nan")), "GenerationParams.cfg=nan is not valid"),
+    (dict(batch=0), "GenerationParams.batch=0 is not valid"),
+    (dict(width=65), "GenerationParams.width=65 is not valid"),
+    (dict(seed=-2), "GenerationParams.seed=-2 is not valid"),
+    (dict(sampler="Eular"), "unknown sampler 'Eular'"),
+]
+
+
+def test_a_request_becomes_generation_params():
+    params = GenerateRequest(prompt="a cat", negative_prompt="", steps=20.0, cfg=7.5, width=64.0, height=64,
+                             batch=1, seed=-1, sampler="Euler").params()
+    assert (params.steps, params.cfg, params.width, params.seed) == (20, 7.5, 64, -1)
+    assert isinstance(params.steps, int) and params.negative_prompt is None and params.sampler == "Euler"
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_GENERATIONS)
+def test_bad_generation_numbers_are_refused_before_a_model_loads(tmp_path, bad, message):
+    state = PanelState(engine_dir=str(tmp_path))
+    fields = {**dict(prompt="a cat", width=64, height=64, steps=2, sampler="Euler"), **bad}
+    with pytest.raises(InvalidValue, match=re.escape(message)):
+        state.generate(GenerateRequest(**fields))
+    assert not state._pipes  # refused before loading anything
+
+
+def _panel_handler(demo, name: str):
+    fns = demo.fns.values() if isinstance(demo.fns, dict) else demo.fns  # dict on Gradio >= 4
+    return next(f.fn for f in fns if getattr(f.fn, "__name__", "") == name)
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_GENERATIONS)
+def test_the_panel_shows_a_bad_generation_number_as_an_error(tmp_path, bad, message):
+    from sd_accel.ui import build_panel
+
+    state = PanelState(engine_dir=str(tmp_path))
+    on_generate = _panel_handler(build_panel(state), "on_generate")
+    values = dict(model="builtin:tiny-sd15", prompt="a cat", negative="", sampler="Euler", steps=2, cfg=7.0,
+                  width=64, height=64, batch=1, seed=0, attention="auto", precision="auto", offload="none",
+                  engines=True)
+    values.update(bad)
+    images, report = on_generate(*values.values())
+    assert images == [] and report.startswith("**Error**: ") and message in report
+    assert not state._pipes
 
 
 # --------------------------------------------------------------------------- the Blocks

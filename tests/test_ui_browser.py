@@ -126,6 +126,10 @@ def _engine_rows(page, expected: int) -> list[str]:
         time.sleep(0.25)
 
 
+def _range_box(page, dim: str):
+    return page.locator(f"#sd-accel-range-{dim} textarea, #sd-accel-range-{dim} input").first
+
+
 def _shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / name), full_page=True)
 
@@ -136,8 +140,21 @@ def test_build_generate_delete_in_browser(app, page):
     progress = page.locator("#sd-accel-build-progress").first
     _tab(page, "Engines")
     expect(page.locator("#sd-accel-disk").first).to_contain_text("0 engines")
-    page.locator("#sd-accel-range-height textarea, #sd-accel-range-height input").first.fill("64")
-    page.locator("#sd-accel-range-width textarea, #sd-accel-range-width input").first.fill("64")
+
+    # The range boxes speak the CLI's grammar: a dynamic preset fills them as MIN-MAX, and a
+    # range in another form is refused with the grammar, before anything is built.
+    expect(page.locator("#sd-accel-range-hint").first).to_contain_text("MIN-OPT-MAX")
+    page.locator("#sd-accel-preset input").click()
+    page.get_by_role("option", name="dynamic-512-768").or_(
+        page.locator("#sd-accel-preset li", has_text="dynamic-512-768")).first.click()
+    expect(_range_box(page, "height")).to_have_value("512-768")
+    expect(_range_box(page, "batch")).to_have_value("1-4")
+    _range_box(page, "height").fill("64, 64, 64")
+    page.locator("#sd-accel-build").click()
+    expect(progress).to_contain_text("Cannot build")
+    expect(progress).to_contain_text("MIN-OPT-MAX")
+    for dim, value in (("batch", "1"), ("height", "64"), ("width", "64"), ("tokens", "77")):
+        _range_box(page, dim).fill(value)
 
     # Cancel while it runs: the Cancel event must get through while the build holds the queue.
     page.locator("#sd-accel-build").click()
@@ -164,8 +181,16 @@ def test_build_generate_delete_in_browser(app, page):
     _set_slider(page, "sd-accel-width", 64)
     _set_slider(page, "sd-accel-height", 64)
     _set_slider(page, "sd-accel-steps", 2)
-    page.locator("#sd-accel-generate").click()
     report = page.locator("#sd-accel-report").first
+    # A bad number is refused by GenerationParams and shown in the report, not as a stack trace.
+    seed = page.locator("#sd-accel-seed input").first
+    seed.fill("-2")
+    seed.press("Tab")
+    page.locator("#sd-accel-generate").click()
+    expect(report).to_contain_text("GenerationParams.seed=-2 is not valid", timeout=BUILD_TIMEOUT_MS)
+    seed.fill("0")
+    seed.press("Tab")
+    page.locator("#sd-accel-generate").click()
     expect(report).to_contain_text("it/s", timeout=BUILD_TIMEOUT_MS)
     for component, calls in (("clip", 2), ("unet", 2), ("vae_decoder", 1)):
         expect(report.locator("tr", has_text=component).first).to_contain_text(f"engine ({calls} call")

@@ -1,6 +1,9 @@
-"""The engine cache: engine folders on disk, an index rebuilt from them, locks and checksums.
+"""The engine cache: engine folders on disk, an index rebuilt from them, and the locks.
 
-Layout under the root (see :func:`default_engine_dir`)::
+What one engine's record holds, and its checksum, is :mod:`sd_accel.cache.record`; where the
+root is by default, :func:`sd_accel.paths.default_engine_dir`.
+
+Layout under the root::
 
     <root>/index.json                  {"schema": 1, "engines": {name: meta}}: a cache of the metas
     <root>/<key.name>/meta.json        the truth for one engine (an EngineRecord)
@@ -28,30 +31,38 @@ import builtins
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from decimal import Decimal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
 
 from ..core import SPEC_VERSION, EngineError, InvalidValue, ShapeRanges
+from ..paths import default_engine_dir
+from ..units import format_size
 from .key import EngineKey
+from .record import (
+    META_FILE,
+    BrokenEngine,
+    EngineRecord,
+    files_checksum,
+    files_size,
+    plain_json,
+    safe_relative,
+    write_json_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
 INDEX_SCHEMA = 1  # bump when the index or meta.json layout changes meaning
 INDEX_FILE = "index.json"
-META_FILE = "meta.json"
 LOCK_DIR = ".locks"
 RESERVED = frozenset({"onnx", "calibration"})  # top-level folders owned by other modules
 
@@ -60,221 +71,12 @@ DEFAULT_DELETE_WAIT_S = 10.0
 INDEX_LOCK_WAIT_S = 30.0  # the index lock is held for milliseconds; longer means trouble
 TOUCH_LOCK_WAIT_S = 1.0
 
-_CHUNK = 8 << 20
 _ENGINE_NAME = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*\.s\d+$")  # EngineKey.name's shape
 _LEFTOVER = re.compile(r"^\.(?:tmp|trash)-(?P<name>.+)-\d+$")
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 
 
-# --------------------------------------------------------------------------- locations, sizes
-
-
-def default_engine_dir() -> Path:
-    """The engine cache's default root: ``$SD_ACCEL_ENGINE_DIR``, else ``./engines``.
-
-    ``./engines`` is relative to the current working directory at the time of the call.
-
-    >>> default_engine_dir()  # with SD_ACCEL_ENGINE_DIR=/data/engines      # doctest: +SKIP
-    PosixPath('/data/engines')
-    """
-    env = os.environ.get("SD_ACCEL_ENGINE_DIR")
-    return Path(env).expanduser() if env else Path.cwd() / "engines"
-
-
-_SIZE_UNITS = {
-    "b": 1,
-    **dict.fromkeys(("k", "kb"), 1000),
-    **dict.fromkeys(("m", "mb"), 1000**2),
-    **dict.fromkeys(("g", "gb"), 1000**3),
-    **dict.fromkeys(("t", "tb"), 1000**4),
-    **{"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4},
-}
-_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-
-
-def _number_and_unit(text: str, units: dict[str, int], bare: str, what: str, example: str) -> Decimal:
-    """``text`` (a number, then a unit from ``units``; ``bare`` when none) in the base unit."""
-    match = _NUMBER_UNIT.match(str(text))
-    unit = (match[2].lower() or bare) if match else ""
-    if unit not in units:
-        raise InvalidValue(
-            f"Cannot read {what} {text!r}: write a number and a unit, e.g. {example} "
-            f"(units: {', '.join(units)})."
-        )
-    return Decimal(match[1]) * units[unit]
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as ``20GB``. KB/MB/GB/TB are powers of 1000, KiB..TiB of 1024.
-
-    A bare number is bytes; case and a space before the unit do not matter.
-
-    >>> parse_size("20GB"), parse_size("1.5 kb"), parse_size("2KiB"), parse_size("512")
-    (20000000000, 1500, 2048, 512)
-    """
-    return int(_number_and_unit(text, _SIZE_UNITS, "b", "size", "500MB, 20GB, 1.5TB"))
-
-
-def parse_age(text: str) -> float:
-    """Seconds in an age such as ``30d``: s, m (minutes), h, d, w; a bare number is seconds.
-
-    >>> parse_age("30d"), parse_age("1.5h"), parse_age("90")
-    (2592000.0, 5400.0, 90.0)
-    """
-    return float(_number_and_unit(text, _AGE_UNITS, "s", "age", "90s, 30m, 12h, 30d, 2w"))
-
-
-def format_size(n: int | float) -> str:
-    """A human-readable size, powers of 1000 like :func:`parse_size`.
-
-    >>> format_size(1_500_000_000), format_size(12)
-    ('1.5 GB', '12 B')
-    """
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-# --------------------------------------------------------------------------- the record
-
-
-def _safe_relative(name: str) -> str:
-    """``name`` as a relative POSIX path inside an engine folder, or ValueError."""
-    path = Path(name)
-    if not name or path.is_absolute() or ".." in path.parts or path.as_posix() == META_FILE:
-        raise InvalidValue(
-            f"{name!r} cannot name an engine file (relative, inside the folder, not {META_FILE})"
-        )
-    return path.as_posix()
-
-
-def _shapes_to_json(shapes: ShapeRanges) -> dict[str, list[list[int]]]:
-    return {name: [list(s) for s in ranges] for name, ranges in shapes.items()}
-
-
-def _shapes_from_json(data: dict[str, Any]) -> ShapeRanges:
-    out: ShapeRanges = {}
-    for name, ranges in data.items():
-        lo, opt, hi = (tuple(int(d) for d in s) for s in ranges)
-        out[str(name)] = (lo, opt, hi)
-    return out
-
-
-@dataclass
-class EngineRecord:
-    """What the cache knows about one engine; ``meta.json`` holds it as JSON.
-
-    ``shapes`` is the backend's :data:`ShapeRanges` (tuples in memory, nested lists on disk).
-    ``checksum`` is ``sha256:<hex>`` over the files (see :func:`files_checksum`).
-
-    >>> r = EngineRecord(key, ["model.onnx"], {"x": ((1, 4), (1, 4), (2, 4))}, "sha256:..",
-    ...                  1024, 0.0, 0.0, 3.2)                          # doctest: +SKIP
-    >>> EngineRecord.from_dict(r.to_dict()) == r                        # doctest: +SKIP
-    True
-    """
-
-    key: EngineKey
-    files: list[str]
-    shapes: ShapeRanges
-    checksum: str
-    size_bytes: int
-    created: float
-    last_used: float
-    build_seconds: float
-    validation: dict[str, Any] | None = None
-    status: str = "ok"  # "ok" | "bad"
-    bad_reason: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        """The engine's folder name, ``key.name``."""
-        return self.key.name
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict; :meth:`from_dict` reads it back to an equal record."""
-        data = dataclasses.asdict(self)
-        data["key"] = self.key.to_dict()
-        data["shapes"] = _shapes_to_json(self.shapes)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineRecord:
-        """The record in ``data``; ValueError saying what is wrong when it is not one."""
-        try:
-            record = cls(
-                key=EngineKey.from_dict(data["key"]),
-                files=[_safe_relative(str(f)) for f in data["files"]],
-                shapes=_shapes_from_json(data["shapes"]),
-                checksum=str(data["checksum"]),
-                size_bytes=int(data["size_bytes"]),
-                created=float(data["created"]),
-                last_used=float(data.get("last_used", data["created"])),
-                build_seconds=float(data.get("build_seconds", 0.0)),
-                validation=data.get("validation"),
-                status=str(data.get("status", "ok")),
-                bad_reason=data.get("bad_reason"),
-                extra=dict(data.get("extra") or {}),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise InvalidValue(f"not an engine record ({type(exc).__name__}: {exc})") from exc
-        if record.status not in ("ok", "bad"):
-            raise InvalidValue(f"not an engine record (status {record.status!r})")
-        return record
-
-
-@dataclass(frozen=True)
-class BrokenEngine:
-    """An engine folder that cannot be used (no or unreadable meta.json). Never deleted silently."""
-
-    name: str
-    path: Path
-    reason: str
-
-
 # --------------------------------------------------------------------------- file helpers
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` through a temp file + fsync + os.replace: all or nothing."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def files_checksum(folder: Path, files: Iterable[str]) -> str:
-    """``sha256:<hex>`` over each file's name, length and bytes, in order; streamed.
-
-    >>> files_checksum(Path("engines/unet.sm89..."), ["engine.plan"])  # doctest: +SKIP
-    'sha256:9f2c...'
-    """
-    digest = hashlib.sha256()
-    for name in files:
-        path = folder / name
-        digest.update(name.encode() + b"\0" + struct.pack("<Q", path.stat().st_size))
-        with open(path, "rb") as fh:
-            while chunk := fh.read(_CHUNK):
-                digest.update(chunk)
-    return f"sha256:{digest.hexdigest()}"
-
-
-def _plain_json(data: Any) -> Any:
-    """``data`` as it reads back from JSON (numpy / torch scalars become numbers)."""
-    return json.loads(json.dumps(data, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
-
-
-def _files_size(folder: Path, files: Iterable[str]) -> int:
-    return sum((folder / name).stat().st_size for name in files)
 
 
 def _tree_size(folder: Path) -> int:
@@ -329,14 +131,14 @@ class BuildSlot:
             raise EngineError(f"The build slot of {self.key.name} is closed or already committed.")
         names = self._relative(files)
         created = time.time()
-        validation = _plain_json(validation)
+        validation = plain_json(validation)
         ok = validation is None or bool(validation.get("ok", True))
         record = EngineRecord(
             key=self.key,
             files=names,
             shapes={k: (tuple(lo), tuple(opt), tuple(hi)) for k, (lo, opt, hi) in shapes.items()},
             checksum=files_checksum(self.dir, names),
-            size_bytes=_files_size(self.dir, names),
+            size_bytes=files_size(self.dir, names),
             created=created,
             last_used=created,
             build_seconds=float(build_seconds),
@@ -345,7 +147,7 @@ class BuildSlot:
             bad_reason=None if ok else f"validation against torch failed: {validation}",
             extra=dict(extra or {}),
         )
-        _write_json_atomic(self.dir / META_FILE, {"schema": INDEX_SCHEMA, **record.to_dict()})
+        write_json_atomic(self.dir / META_FILE, {"schema": INDEX_SCHEMA, **record.to_dict()})
         self._cache._install(self.dir, record)
         self.record = record
         return record
@@ -366,7 +168,7 @@ class BuildSlot:
             except ValueError:
                 raise EngineError(f"Engine file {path} lies outside the build folder {self.dir}.") from None
         try:
-            name = _safe_relative(path.as_posix())
+            name = safe_relative(path.as_posix())
         except ValueError as exc:
             raise EngineError(str(exc)) from None
         if not (self.dir / name).is_file():
@@ -385,7 +187,7 @@ class _Snapshot:
 
 
 class EngineCache:
-    """Engine files on disk under ``root`` (default :func:`default_engine_dir`).
+    """Engine files on disk under ``root`` (default :func:`sd_accel.paths.default_engine_dir`).
 
     Every method reads the disk afresh (no state is shared between instances or processes),
     so several processes may use one cache at once.
@@ -468,7 +270,7 @@ class EngineCache:
                 f"Engine {record.name} is incomplete: {', '.join(missing)} missing from {folder}. "
                 "Delete the folder and build the engine again."
             )
-        size = _files_size(folder, record.files)
+        size = files_size(folder, record.files)
         if size != record.size_bytes:
             raise EngineError(
                 f"Engine {record.name} was truncated or replaced: its files hold {size} bytes, "
@@ -653,6 +455,7 @@ class EngineCache:
         being built; never touches broken folders or other modules' folders. Also removes
         temp folders left by dead builds.
 
+        >>> from sd_accel.units import parse_age, parse_size
         >>> cache.prune(max_bytes=parse_size("20GB"), older_than_s=parse_age("30d"))  # doctest: +SKIP
         """
         if max_bytes is not None and max_bytes < 0:
@@ -814,7 +617,7 @@ class EngineCache:
         data = {"schema": INDEX_SCHEMA, "engines": {n: records[n].to_dict() for n in sorted(records)}}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            _write_json_atomic(self.root / INDEX_FILE, data)
+            write_json_atomic(self.root / INDEX_FILE, data)
         except OSError as exc:
             logger.warning("could not write %s (%s); it will be rebuilt from the folders", INDEX_FILE, exc)
             with contextlib.suppress(OSError):
@@ -841,7 +644,7 @@ class EngineCache:
             if isinstance(current, BrokenEngine) or current.key != key:
                 return None
             record = change(current)
-            _write_json_atomic(self.root / key.name / META_FILE, {"schema": INDEX_SCHEMA, **record.to_dict()})
+            write_json_atomic(self.root / key.name / META_FILE, {"schema": INDEX_SCHEMA, **record.to_dict()})
             records = self._compute().records
             records[key.name] = record
             self._write_index(records)

@@ -22,7 +22,7 @@ def _shape_tuple(shapes) -> ShapeRanges:
 class EngineHandle:
     """One cached engine, loaded on first use (only the profiles a job really hits are loaded)."""
 
-    record: object  # cache.store.EngineRecord
+    record: object  # cache.record.EngineRecord
     backend: object
     cache: object
     arch: str

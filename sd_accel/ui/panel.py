@@ -18,7 +18,7 @@ from typing import Any
 import gradio as gr
 
 from sd_accel.config import ATTENTION, BACKENDS, OFFLOAD, PRECISION
-from sd_accel.profiles import PRESETS, default_preset
+from sd_accel.profiles import PRESETS, RANGE_GRAMMAR, default_preset
 from sd_accel.ui.state import (
     BUILD_PRECISIONS,
     COMPONENT_CHOICES,
@@ -138,12 +138,14 @@ def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
 
     def on_generate(model_text, prompt_text, negative_text, sampler_name, n_steps, cfg_scale, w, h, n,
                     seed_value, attention_name, precision_name, offload_name, engines_on):
+        # The numbers go as the widgets give them: GenerationParams (through state.generate)
+        # is the one place that checks them, with the same messages as the CLI.
         req = GenerateRequest(
             prompt=prompt_text or "", negative_prompt=negative_text or "",
             model=(model_text or "").strip() or DEFAULT_MODEL,
             sampler=None if sampler_name in (None, "", DEFAULT_SAMPLER_LABEL) else sampler_name,
-            steps=int(n_steps), cfg=float(cfg_scale), width=int(w), height=int(h), batch=int(n),
-            seed=int(seed_value or 0), attention=attention_name, precision=precision_name,
+            steps=n_steps, cfg=cfg_scale, width=w, height=h, batch=n,
+            seed=0 if seed_value is None else seed_value, attention=attention_name, precision=precision_name,
             offload=offload_name, engines=bool(engines_on),
         )
         try:
@@ -166,11 +168,14 @@ def _engines_tab(state: PanelState, model: gr.Textbox) -> dict[str, Any]:
             preset = gr.Dropdown(list(PRESETS), value=first, label="Preset (fills the ranges below)",
                                  elem_id="sd-accel-preset")
             b, h, w, t = preset_fields(first)
+            gr.Markdown(f"Each range: {RANGE_GRAMMAR}.", elem_id="sd-accel-range-hint")
             with gr.Row():
-                r_batch = gr.Textbox(b, label="Batch: n, or min, opt, max", elem_id="sd-accel-range-batch")
-                r_height = gr.Textbox(h, label="Height (px)", elem_id="sd-accel-range-height")
-                r_width = gr.Textbox(w, label="Width (px)", elem_id="sd-accel-range-width")
-                r_tokens = gr.Textbox(t, label="Tokens (77 per chunk)", elem_id="sd-accel-range-tokens")
+                r_batch = gr.Textbox(b, label="Batch (images per prompt)", placeholder="1-4",
+                                     elem_id="sd-accel-range-batch")
+                r_height = gr.Textbox(h, label="Height (px)", placeholder="512-768", elem_id="sd-accel-range-height")
+                r_width = gr.Textbox(w, label="Width (px)", placeholder="512-768", elem_id="sd-accel-range-width")
+                r_tokens = gr.Textbox(t, label="Tokens (77 per chunk)", placeholder="77-154",
+                                      elem_id="sd-accel-range-tokens")
             with gr.Row():
                 backend = gr.Dropdown(list(BACKENDS), value=state.backend, label="Backend",
                                       elem_id="sd-accel-backend")

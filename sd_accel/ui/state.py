@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -25,7 +24,8 @@ from typing import Any
 
 from sd_accel.config import BACKENDS, PRECISION
 from sd_accel.core import Busy, InvalidValue
-from sd_accel.profiles import PRESETS, Profile, Range
+from sd_accel.generate import GenerationParams
+from sd_accel.profiles import PRESETS, Profile, format_range, parse_range
 
 log = logging.getLogger("sd_accel")
 
@@ -43,27 +43,10 @@ _POLL_S = 0.25  # how often a waiting build generator wakes to yield (keeps the 
 # --------------------------------------------------------------------------- profiles from fields
 
 
-def parse_range(name: str, text: str | int | float) -> Range:
-    """``"64"`` -> (64, 64, 64); ``"256, 512, 768"`` -> (256, 512, 768). ValueError teaches the form."""
-    parts = [p for p in re.split(r"[\s,/]+", str(text).strip()) if p]
-    try:
-        values = [int(float(p)) for p in parts]
-    except ValueError:
-        values = []
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    if len(values) == 3:
-        return values[0], values[1], values[2]
-    raise InvalidValue(f"{name}: write one number (static) or three as 'min, opt, max', got {text!r}")
-
-
-def format_range(r: Range) -> str:
-    """The inverse of :func:`parse_range`: one number when static."""
-    return str(r[0]) if r[0] == r[2] else f"{r[0]}, {r[1]}, {r[2]}"
-
-
 def profile_from_fields(batch: str, height: str, width: str, tokens: str) -> Profile:
-    """A :class:`Profile` from the panel's four range boxes (Profile validates the values)."""
+    """A :class:`Profile` from the panel's four range boxes, each in the one range grammar
+    (:func:`sd_accel.profiles.parse_range`: ``512``, ``512-768`` or ``256-512-768``); Profile
+    validates the values."""
     return Profile(
         batch=parse_range("batch", batch),
         height=parse_range("height", height),
@@ -78,37 +61,12 @@ def preset_fields(name: str) -> tuple[str, str, str, str]:
     return format_range(p.batch), format_range(p.height), format_range(p.width), format_range(p.tokens)
 
 
-def profile_from_tag(tag: str) -> Profile:
-    """Read a :attr:`Profile.tag` back (for Rebuild). The token opt is not in the tag: taken as min.
-
-    >>> profile_from_tag("b1-2.h64-136.w64-136.t77-154.opt1x64x64").tag
-    'b1-2.h64-136.w64-136.t77-154.opt1x64x64'
-    """
-    body, opt = tag, None
-    if body.startswith("static."):
-        body = body[len("static."):]
-    else:
-        body, _, opt_text = body.rpartition(".opt")
-        opt = [int(v) for v in opt_text.split("x")]
-    ranges: dict[str, Range] = {}
-    for part, name in zip(body.split("."), ("batch", "height", "width", "tokens"), strict=True):
-        lo, _, hi = part[1:].partition("-")
-        ranges[name] = (int(lo), int(lo), int(hi or lo))
-    if opt is not None:
-        for name, value in zip(("batch", "height", "width"), opt, strict=True):
-            ranges[name] = (ranges[name][0], value, ranges[name][2])
-    profile = Profile(**ranges)
-    if profile.tag != tag:
-        raise InvalidValue(f"cannot read the profile {tag!r} back; build it from the ranges instead")
-    return profile
-
-
 # --------------------------------------------------------------------------- engine table
 
 
 def engine_rows(cache) -> list[list[str]]:
     """One row per engine in ``cache`` (an :class:`EngineCache`), columns :data:`ENGINE_HEADERS`."""
-    from sd_accel.cache.store import format_size
+    from sd_accel.units import format_size
 
     rows = []
     for r in cache.list():
@@ -136,7 +94,7 @@ def engine_names(cache) -> list[str]:
 
 def disk_usage(cache) -> str:
     """One line: how many engines, how much disk, where."""
-    from sd_accel.cache.store import format_size
+    from sd_accel.units import format_size
 
     n = len(cache.list())
     return f"{n} engine{'s' if n != 1 else ''}, {format_size(cache.total_size())} on disk in `{cache.root}`"
@@ -169,7 +127,11 @@ class BuildUpdate:
 
 @dataclass
 class GenerateRequest:
-    """What the Generate button asks for; ``sampler`` None keeps the model's scheduler."""
+    """What the Generate button asks for; ``sampler`` None keeps the model's scheduler.
+
+    The generation numbers are checked by :meth:`params` (GenerationParams), the rest by
+    ``AccelConfig``; :meth:`PanelState.generate` does both before it loads anything.
+    """
 
     prompt: str
     negative_prompt: str = ""
@@ -186,6 +148,23 @@ class GenerateRequest:
     offload: str = "none"
     engines: bool = True
 
+    def params(self) -> GenerationParams:
+        """The request as a :class:`~sd_accel.generate.GenerationParams`, which checks every value.
+
+        Widgets give whole numbers as floats (``20.0``); those become ints, anything else is
+        left for GenerationParams to refuse with its message (``steps=2.5``, ``cfg=nan``, ...).
+        """
+        return GenerationParams(
+            prompt=self.prompt, negative_prompt=self.negative_prompt or None, steps=_whole(self.steps),
+            cfg=self.cfg, width=_whole(self.width), height=_whole(self.height), batch=_whole(self.batch),
+            seed=_whole(self.seed), sampler=self.sampler or None,
+        )
+
+
+def _whole(value: Any) -> Any:
+    """``20.0`` -> 20; any other value unchanged (GenerationParams judges it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
 
 @dataclass
 class GenerateOutcome:
@@ -198,11 +177,12 @@ class GenerateOutcome:
     unet_calls: int
     usage: dict[str, str]
     summary: dict[str, Any]
+    seed: int = 0  # the seed used (a drawn one when the request said -1)
 
     def report(self) -> str:
         """Markdown for the panel: time, it/s, then one row per component, "engine" or "torch"."""
         head = (f"**{self.seconds:.2f} s**, {self.it_per_s:.2f} it/s, {self.steps} steps, "
-                f"{self.unet_calls} UNet calls, {len(self.images)} image(s)")
+                f"{self.unet_calls} UNet calls, {len(self.images)} image(s), seed {self.seed}")
         rows = "\n".join(f"| {c} | {u} |" for c, u in self.usage.items())
         return f"{head}\n\n| component | ran on |\n|---|---|\n{rows}"
 
@@ -331,25 +311,24 @@ class PanelState:
         from sd_accel import AccelConfig, stats
         from sd_accel.generate import generate
 
+        params = req.params()  # InvalidValue for a bad number, before any model is loaded
         if self.building:
             raise Busy("Engines are being built; generate when the build ends, or cancel it.")
         config = AccelConfig(
             precision=req.precision or self.precision, attention=req.attention, offload=req.offload,
-            sampler=req.sampler or None, engines=bool(req.engines), engine_dir=self.engine_dir,
+            sampler=params.sampler, engines=bool(req.engines), engine_dir=self.engine_dir,
             backend=self.backend,
         )
         with self._lock:
             pipe = self.pipeline(req.model, config)
             before = stats(pipe)
-            result = generate(pipe, req.prompt, negative_prompt=req.negative_prompt or None,
-                              steps=int(req.steps), cfg=float(req.cfg), width=int(req.width),
-                              height=int(req.height), batch=int(req.batch), seed=int(req.seed))
+            result = generate(pipe, params)
             after = stats(pipe)
         found = pipe.sd_accel.engines if req.engines else {}
         return GenerateOutcome(
             images=result.images, seconds=result.seconds, it_per_s=result.it_per_s, steps=result.steps,
             unet_calls=result.unet_calls, usage=usage_text(before, after, found, bool(req.engines)),
-            summary=pipe.sd_accel.summary(),
+            summary=pipe.sd_accel.summary(), seed=result.seed,
         )
 
     # ---- engines
@@ -403,7 +382,7 @@ class PanelState:
         component, profile, backend and precision, from ``model``. An extension point: a host
         (the WebUI tab) overrides it to rebuild its own engines from its own model."""
         key = record.key
-        return BuildRequest(profile=profile_from_tag(key.profile), model=model, components=(key.component,),
+        return BuildRequest(profile=Profile.from_tag(key.profile), model=model, components=(key.component,),
                             backend=key.backend, precision=key.precision)
 
     def _run_build(self, req: BuildRequest, replace) -> Iterator[BuildUpdate]:
