@@ -10,7 +10,7 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -
   (apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }) \
     || echo "test: could not install chromium; the browser tests will skip"
 fi
-.venv/bin/ruff check sd_accel extension scripts tests
+.venv/bin/ruff check sd_accel extension scripts tests conftest.py
 # The panel and the WebUI tab under the Gradio versions the WebUIs ship (3.41, 4.x): own venvs.
 bash scripts/test_gradio_versions.sh
 exec .venv/bin/python -m pytest -q -ra "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Regenerate the TensorRT API name lists in ``sd_accel/backends/tensorrt/names/`` from the real
-binding wheels, so ``tests/test_trt_names.py`` can check the backend against them offline.
+"""Regenerate the TensorRT API name lists in ``tests/support/trt/names/`` from the real binding
+wheels, so ``tests/test_trt_names.py`` can check the backend against them offline.
 
 TensorRT cannot be imported without its CUDA libraries, but the compiled binding module
 (``tensorrt_bindings/tensorrt.so`` in ``tensorrt-cu12-bindings`` / ``tensorrt-cu13-bindings``, about
@@ -13,7 +13,7 @@ version with the wheels' file names and sha256 in its header.
 
 The linker merges strings that are tails of other strings (``set_named_weights`` lives inside
 ``unset_named_weights``), so readers look a name up as "equal to, or a suffix of, a listed name"
-(``sd_accel.backends.tensorrt.api_names.NameList.has``).
+(``NameList.has`` in ``tests/support/trt/api_names.py``).
 
     python scripts/trt_names.py                    # the pinned versions below
     python scripts/trt_names.py --latest           # ask the index for the newest 10.x and 11.x
@@ -34,7 +34,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT_DIR = ROOT / "sd_accel" / "backends" / "tensorrt" / "names"
+OUT_DIR = ROOT / "tests" / "support" / "trt" / "names"
 WHEEL_DIR = Path.home() / ".cache" / "sd-accel" / "trt-wheels"
 # The newest 10.x and 11.x on PyPI when the lists were last generated (pip index versions
 # tensorrt-cu12-bindings; --latest finds them again), and the oldest 10.x sd-accel accepts.

@@ -29,6 +29,7 @@ def processors(module) -> set[type]:
     return {type(p) for p in module.attn_processors.values()}
 
 
+@pytest.mark.slow
 def test_issue_example_runs_on_cpu():
     pipe = load_pipeline("builtin:tiny-sd15")
     pipe = accelerate(pipe, AccelConfig(precision="fp16", attention="auto", offload="none", sampler="DPM++ 2M Karras"))
@@ -41,6 +42,7 @@ def test_issue_example_runs_on_cpu():
     assert pipe.sd_accel.sampler == "DPM++ 2M Karras"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("attention", "unet_procs"),
     [("sdpa", {AttnProcessor2_0}), ("auto", {AttnProcessor2_0}), ("sliced", {SlicedAttnProcessor})],
@@ -62,6 +64,7 @@ def test_xformers_on_cpu_explains_itself(tiny_sd15):
     assert "install" in msg or "CUDA" in msg
 
 
+@pytest.mark.slow
 def test_bf16_weights_and_output_close_to_fp32(tiny_sd15):
     ref = run(accelerate(fresh(tiny_sd15), precision="fp32"))
     pipe = accelerate(fresh(tiny_sd15), precision="bf16")
@@ -82,6 +85,7 @@ def test_fp16_on_cpu_falls_back_to_fp32_with_warning(tiny_sd15, caplog):
     assert any("fp16" in r.message and "bf16" in r.message for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_sdxl_vae_stays_fp32_under_bf16(tiny_sdxl):
     pipe = accelerate(fresh(tiny_sdxl), precision="bf16")
     assert pipe.unet.dtype == torch.bfloat16
@@ -90,11 +94,13 @@ def test_sdxl_vae_stays_fp32_under_bf16(tiny_sdxl):
     assert np.isfinite(run(pipe)).all()
 
 
+@pytest.mark.slow
 def test_vae_precision_choices(tiny_sd15, tiny_sdxl):
     assert accelerate(fresh(tiny_sd15), precision="bf16", vae_precision="fp32").vae.dtype == torch.float32
     assert accelerate(fresh(tiny_sdxl), precision="bf16", vae_precision="same").vae.dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_nan_decode_is_redone_in_fp32(tiny_sd15, caplog):
     pipe = accelerate(fresh(tiny_sd15), precision="bf16")
 
@@ -116,6 +122,7 @@ def test_nan_decode_is_redone_in_fp32(tiny_sd15, caplog):
     assert any("fp32" in r.message and "NaN" in r.message for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_nan_check_off_leaves_nan(tiny_sd15):
     pipe = accelerate(fresh(tiny_sd15), precision="bf16", nan_check=False)
     handle = pipe.vae.decoder.conv_out.register_forward_hook(lambda m, i, o: o * float("nan"))
@@ -127,6 +134,7 @@ def test_nan_check_off_leaves_nan(tiny_sd15):
     assert not np.isfinite(image).all() or image.max() == 0
 
 
+@pytest.mark.slow
 def test_accelerate_twice_does_not_stack_wrappers(tiny_sd15):
     pipe = accelerate(fresh(tiny_sd15), precision="bf16")
     pipe = accelerate(pipe, precision="fp32", attention="sliced")
@@ -137,6 +145,7 @@ def test_accelerate_twice_does_not_stack_wrappers(tiny_sd15):
     assert np.isfinite(run(pipe)).all()
 
 
+@pytest.mark.slow
 def test_offload_on_cpu_is_ignored_and_said(tiny_sd15, caplog):
     with caplog.at_level(logging.WARNING, logger="sd_accel"):
         pipe = accelerate(fresh(tiny_sd15), offload="lowvram", vae_slicing=True, vae_tiling=True)

@@ -18,6 +18,7 @@ def sd_accel(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_generate_saves_png_with_parameters_and_reports(tmp_path):
     out = tmp_path / "img.png"
     proc = sd_accel("generate", "--steps", "2", "--size", "64x64", "--sampler", "Euler a",
@@ -36,6 +37,7 @@ def test_generate_saves_png_with_parameters_and_reports(tmp_path):
     assert "Steps: 2" in params and "Sampler: Euler a" in params and "Seed: 7" in params
 
 
+@pytest.mark.slow
 def test_bad_model_path_is_one_clear_line(tmp_path):
     proc = sd_accel("generate", "--model", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "x.png"))
     assert proc.returncode == 2
@@ -88,6 +90,7 @@ def _json(proc: subprocess.CompletedProcess):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_doctor_reports_device_versions_and_backends():
     report = _json(sd_accel("doctor", "--json"))
     assert report["arch"].startswith(("cpu-", "sm"))
@@ -106,6 +109,7 @@ def test_doctor_reports_device_versions_and_backends():
     assert all(f"backend {name}:" in text for name in names())
 
 
+@pytest.mark.slow
 def test_build_list_generate_delete_prune(tmp_path):
     engines = str(tmp_path / "engines")
     built = _json(sd_accel("build", "--static", "--height", "64", "--width", "64", "--components", "unet,vae",
@@ -140,6 +144,7 @@ def test_build_list_generate_delete_prune(tmp_path):
     assert (tmp_path / "engines" / "onnx").is_dir()  # exported ONNX is not an engine; prune keeps it
 
 
+@pytest.mark.slow
 def test_build_bad_model_and_bad_ranges(tmp_path):
     proc = sd_accel("build", "--model", str(tmp_path / "nope.safetensors"), "--engine-dir", str(tmp_path))
     assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr
@@ -153,6 +158,7 @@ def test_build_bad_model_and_bad_ranges(tmp_path):
     assert "MIN-OPT-MAX" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_build_leaves_no_partial_engine_or_lock(tmp_path):
     import signal
     import time
@@ -186,6 +192,7 @@ def test_ctrl_c_during_build_leaves_no_partial_engine_or_lock(tmp_path):
     assert len(built["engines"]) == 4
 
 
+@pytest.mark.slow
 def test_ui_command_serves_the_app_on_localhost(tmp_path):
     import socket
     import time

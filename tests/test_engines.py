@@ -52,6 +52,7 @@ def engine_pipe(engine_dir: Path, **config):
                                         sampler="Euler", **config))
 
 
+@pytest.mark.slow
 def test_builds_every_component_for_static_and_dynamic(built):
     engine_dir, records, events = built
     got = {(r.key.component, r.key.profile.startswith("static")) for r in records}
@@ -66,6 +67,7 @@ def test_builds_every_component_for_static_and_dynamic(built):
     assert all(any(e.index == i and e.fraction == 1.0 for e in events) for i in range(len(records)))
 
 
+@pytest.mark.slow
 def test_generation_on_engines_matches_torch(built):
     engine_dir, _, _ = built
     ref = generate(accelerate(load_pipeline("builtin:tiny-sd15"), precision="fp32", sampler="Euler"))
@@ -84,6 +86,7 @@ def test_generation_on_engines_matches_torch(built):
     assert pipe.unet.config.in_channels == 4 and pipe.unet.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_size_outside_every_profile_falls_back_and_is_counted(built, caplog):
     engine_dir, _, _ = built
     pipe = engine_pipe(engine_dir)
@@ -98,6 +101,7 @@ def test_size_outside_every_profile_falls_back_and_is_counted(built, caplog):
     assert sum("unet: running torch" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.slow
 def test_dynamic_engine_serves_sizes_that_are_not_multiples_of_64(built):
     engine_dir, _, _ = built
     ref = generate(accelerate(load_pipeline("builtin:tiny-sd15"), precision="fp32", sampler="Euler"), size=136)
@@ -107,6 +111,7 @@ def test_dynamic_engine_serves_sizes_that_are_not_multiples_of_64(built):
     assert np.abs(out - ref).max() < 2e-3
 
 
+@pytest.mark.slow
 def test_long_prompt_uses_154_token_profile(built, tmp_path):
     engine_dir, _, _ = built
     pipe = engine_pipe(engine_dir)
@@ -130,6 +135,7 @@ def test_long_prompt_uses_154_token_profile(built, tmp_path):
     assert "154" in next(iter(s["fallbacks"]))
 
 
+@pytest.mark.slow
 def test_second_process_reuses_cache_without_export(built):
     engine_dir, records, _ = built
     onnx_dir = engine_dir / "onnx"
@@ -159,6 +165,7 @@ def test_second_process_reuses_cache_without_export(built):
     assert after == before
 
 
+@pytest.mark.slow
 def test_corrupt_engine_file_falls_back_and_is_marked_bad(built, tmp_path):
     engine_dir, _, _ = built
     copy = tmp_path / "engines"
@@ -179,6 +186,7 @@ def test_corrupt_engine_file_falls_back_and_is_marked_bad(built, tmp_path):
     assert record.status == "bad" and "checksum" in record.bad_reason
 
 
+@pytest.mark.slow
 def test_foreign_arch_engine_is_never_loaded(built, tmp_path, caplog):
     engine_dir, _, _ = built
     copy = tmp_path / "engines"
@@ -198,6 +206,7 @@ def test_foreign_arch_engine_is_never_loaded(built, tmp_path, caplog):
     assert any("sm86" in r.message and "rebuild" in r.message for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_index_deleted_is_rebuilt_from_files(built, tmp_path):
     engine_dir, records, _ = built
     copy = tmp_path / "engines"
@@ -209,6 +218,7 @@ def test_index_deleted_is_rebuilt_from_files(built, tmp_path):
     assert len(EngineCache(copy).list()) == len(records)
 
 
+@pytest.mark.slow
 def test_cancelled_build_leaves_nothing(tmp_path):
     pipe = load_pipeline("builtin:tiny-sd15")
     cancel = threading.Event()
@@ -228,6 +238,7 @@ def test_cancelled_build_leaves_nothing(tmp_path):
     assert rec.status == "ok"
 
 
+@pytest.mark.slow
 def test_save_pretrained_with_engines_saves_torch_modules(built, tmp_path):
     engine_dir, _, _ = built
     pipe = engine_pipe(engine_dir)
@@ -239,6 +250,7 @@ def test_save_pretrained_with_engines_saves_torch_modules(built, tmp_path):
     assert type(again.unet).__name__ == "UNet2DConditionModel"
 
 
+@pytest.mark.slow
 def test_img2img_uses_vae_encoder_engine(built):
     from diffusers import StableDiffusionImg2ImgPipeline
 
@@ -261,6 +273,7 @@ def test_accelerate_without_engines_built_warns_and_runs_torch(tmp_path, caplog)
     assert np.isfinite(generate(pipe)).all()
 
 
+@pytest.mark.slow
 def test_fallback_off_raises_instead(built):
     engine_dir, _, _ = built
     pipe = engine_pipe(engine_dir, engine_fallback=False)
@@ -268,6 +281,7 @@ def test_fallback_off_raises_instead(built):
         generate(pipe, size=160)
 
 
+@pytest.mark.slow
 def test_sdxl_engines_match_torch(tmp_path):
     pipe = load_pipeline("builtin:tiny-sdxl")
     records = build_engines(pipe, profiles=[STATIC], backend="onnxruntime", engine_dir=tmp_path, progress=False)

@@ -13,7 +13,8 @@ from diffusers.loaders import single_file_utils as sfu
 from safetensors import safe_open
 
 from sd_accel.models.families import FAMILIES, load_family_configs
-from sd_accel.models.ldm_layout import (
+
+from support.ldm_layout import (
     SD1_CLIP_PREFIX,
     SD2_OPEN_CLIP_PREFIX,
     SDXL_CLIP_PREFIX,

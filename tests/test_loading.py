@@ -14,7 +14,8 @@ from sd_accel import load_pipeline
 from sd_accel.core import CheckpointError
 from sd_accel.models.checkpoint import read_shapes
 from sd_accel.models.detect import detect
-from sd_accel.models.ldm_layout import save_single_file, to_original_layout
+
+from support.ldm_layout import save_single_file, to_original_layout
 
 FAMILIES = ["sd15", "sd2-v", "sdxl"]
 CLASSES = {"sd15": "StableDiffusionPipeline", "sd2-v": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}

@@ -48,6 +48,7 @@ def built(tmp_path_factory):
     return engine_dir, records
 
 
+@pytest.mark.slow
 def test_engines_are_built_validated_and_keyed_by_cpu_class(built):
     from sd_accel.device import cpu_class
 
@@ -57,6 +58,7 @@ def test_engines_are_built_validated_and_keyed_by_cpu_class(built):
         assert r.validation["rel_l2"] <= {"fp32": 1e-3, "bf16": 5e-2}[r.key.precision]
 
 
+@pytest.mark.slow
 def test_generation_on_openvino_engines_matches_torch(built):
     engine_dir, _ = built
 
@@ -72,6 +74,7 @@ def test_generation_on_openvino_engines_matches_torch(built):
     assert np.abs(got - ref).max() < 0.05
 
 
+@pytest.mark.slow
 def test_dynamic_engine_serves_a_size_between_min_and_max(built):
     engine_dir, records = built
     dyn = next(r for r in records if not r.key.profile.startswith("static"))
@@ -100,6 +103,7 @@ def int8_built(tmp_path_factory):
     return engine_dir, records
 
 
+@pytest.mark.slow
 def test_int8_keeps_the_latent_input_and_full_resolution_decoder_convolutions_in_float(tmp_path):
     import openvino as ov
 
@@ -115,6 +119,7 @@ def test_int8_keeps_the_latent_input_and_full_resolution_decoder_convolutions_in
     assert not any("down_blocks" in n or "mid_block" in n for n in names)
 
 
+@pytest.mark.slow
 @needs_nncf
 def test_int8_engine_is_quantized_validated_and_recorded(int8_built):
 
@@ -133,6 +138,7 @@ def test_int8_engine_is_quantized_validated_and_recorded(int8_built):
     assert ("Convolution", "bf16" if has_bf16() else "f32") in ran
 
 
+@pytest.mark.slow
 @needs_nncf
 def test_engine_precision_picks_int8_or_float_when_both_cover_the_call(int8_built):
     engine_dir, records = int8_built
@@ -151,6 +157,7 @@ def test_engine_precision_picks_int8_or_float_when_both_cover_the_call(int8_buil
         AccelConfig(engine_precision="int4")
 
 
+@pytest.mark.slow
 @needs_nncf
 def test_cancelling_an_int8_build_during_quantization_keeps_nothing(tmp_path):
     import threading
@@ -174,6 +181,7 @@ def test_cancelling_an_int8_build_during_quantization_keeps_nothing(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(("unet.", ".tmp-"))]
 
 
+@pytest.mark.slow
 @needs_nncf
 def test_int8_dynamic_profile_serves_sizes_between_min_and_max(tmp_path):
     (rec,) = build_engines(load_pipeline("builtin:tiny-sd15"), profiles=[DYNAMIC], backend="openvino",
@@ -187,6 +195,7 @@ def test_int8_dynamic_profile_serves_sizes_between_min_and_max(tmp_path):
     assert stats(pipe)["unet"]["engine_calls"] == 2
 
 
+@pytest.mark.slow
 @needs_nncf
 def test_int8_sdxl_unet_with_its_extra_conditioning_inputs(tmp_path):
     (rec,) = build_engines(load_pipeline("builtin:tiny-sdxl"), profiles=[STATIC], backend="openvino",

@@ -46,6 +46,7 @@ def _build(pipe, engine_dir, precision):
                          precision=precision, engine_dir=engine_dir, progress=False)
 
 
+@pytest.mark.slow
 def test_static_int8_engine_is_built_validated_and_recorded(pipe, tmp_path):
     (rec,) = _build(pipe, tmp_path, "int8")
     assert rec.status == "ok" and rec.key.precision == "int8"
@@ -55,6 +56,7 @@ def test_static_int8_engine_is_built_validated_and_recorded(pipe, tmp_path):
     assert list((tmp_path / "calibration").glob("*.npz"))  # captured from prompt runs, kept
 
 
+@pytest.mark.slow
 def test_engine_over_the_int8_threshold_is_refused(pipe, tmp_path, monkeypatch):
     import sd_accel.validate as validate
 
@@ -64,6 +66,7 @@ def test_engine_over_the_int8_threshold_is_refused(pipe, tmp_path, monkeypatch):
     assert not [r for r in EngineCache(tmp_path).find(component="unet") if r.key.precision == "int8"]
 
 
+@pytest.mark.slow
 def test_dynamic_int8_needs_no_calibration(pipe, tmp_path):
     (rec,) = _build(pipe, tmp_path, "int8-dynamic")
     assert rec.status == "ok" and rec.validation["rel_l2"] <= 0.1

@@ -444,7 +444,21 @@ def _one_schedule_each() -> list[tuple[str, str]]:
     return cases
 
 
-@pytest.mark.parametrize(("sampler", "schedule"), _one_schedule_each())
+def _quick_unless(cases: list, quick: set) -> list:
+    """The cases, those not in ``quick`` marked slow: every sampler generates in ~2 s, dozens of
+    them take over a minute; the quick run keeps one of each kind."""
+    out = []
+    for case in cases:
+        values = case if isinstance(case, tuple) else (case,)
+        out.append(case if case in quick else pytest.param(*values, marks=pytest.mark.slow))
+    return out
+
+
+# A first-order, a multistep, a second-order and a stochastic sampler.
+QUICK_SD15 = {("Euler", "Automatic"), ("DPM++ 2M", "Automatic"), ("Heun", "Automatic"), ("Euler a", "Automatic")}
+
+
+@pytest.mark.parametrize(("sampler", "schedule"), _quick_unless(_one_schedule_each(), QUICK_SD15))
 def test_generation_sd15(sd15, sampler, schedule):
     preset = resolve(sampler, schedule)
     if preset.missing:
@@ -462,7 +476,7 @@ def test_generation_sd15(sd15, sampler, schedule):
     assert np.array_equal(images[0], again) != preset.stochastic
 
 
-@pytest.mark.parametrize("sampler", list_samplers())
+@pytest.mark.parametrize("sampler", _quick_unless(list_samplers(), {"Euler"}))
 def test_generation_sdxl(sdxl, sampler):
     preset = resolve(sampler)
     if preset.missing:
@@ -471,6 +485,7 @@ def test_generation_sdxl(sdxl, sampler):
     _assert_image(_generate(sdxl))
 
 
+@pytest.mark.slow
 def test_v_prediction_is_kept(sd2v):
     assert sd2v.scheduler.config.prediction_type == "v_prediction"
     for name in list_presets(available_only=True):

@@ -1,7 +1,7 @@
 """The TensorRT backend: everything that needs no GPU runs here; the rest skips with the reason.
 
-Build and load paths run on ``dryrun``'s stand-in ``tensorrt`` (one real version's names, an
-engine that computes on the CPU); ``tests/test_trt_names.py`` checks the names themselves.
+Build and load paths run on ``support.trt.dryrun``'s stand-in ``tensorrt`` (one real version's
+names, an engine that computes on the CPU); ``tests/test_trt_names.py`` checks the names themselves.
 """
 
 from __future__ import annotations
@@ -13,20 +13,22 @@ import pytest
 import torch
 
 from sd_accel.backends.registry import get_backend
-from sd_accel.backends.tensorrt.api_names import NameList
 from sd_accel.backends.tensorrt.builder import (
     ENGINE_FILE,
     TensorRTBackend,
+    config_kwargs,
     profile_for,
     progress_monitor,
     timing_cache_path,
     trt_status,
 )
-from sd_accel.backends.tensorrt.dryrun import dry_run, engine_plan
 from sd_accel.backends.tensorrt.runner import TensorRTRunner, torch_dtype
 from sd_accel.backends.tensorrt.versions import features, onnx_precision
 from sd_accel.core import EngineError
 from sd_accel.onnx.fp16 import FP16_ONNX_FILE, fp16_onnx
+
+from support.trt.api_names import NameList
+from support.trt.dryrun import dry_run, engine_plan, on_cpu, pretend_gpu
 
 TRT_OK, TRT_VERSION, TRT_WHY = trt_status()
 V10, V11 = "10.16.1.11", "11.4.0.106"
@@ -45,16 +47,16 @@ def test_version_features():
 
 
 @pytest.mark.parametrize(("version", "fp16_flag"), [("10.13.3", True), ("11.4.0", False)])
-def test_build_config_kwargs_per_version(version, fp16_flag):
+def test_config_kwargs_per_version(version, fp16_flag):
     shapes = {"sample": ((1, 4, 64, 64), (2, 4, 64, 64), (8, 4, 96, 96)), "timestep": ((1,), (2,), (8,))}
-    kwargs, feats = TensorRTBackend().build_config_kwargs(shapes, "fp16", version, Path("/tmp/t.cache"))
+    kwargs = config_kwargs(shapes, "fp16", features(version), Path("/tmp/t.cache"))
     assert ("fp16" in kwargs) is fp16_flag
     (profile,) = kwargs["profiles"]
     assert tuple(profile["sample"].max) == (8, 4, 96, 96)
     assert tuple(profile["timestep"].opt) == (2,)
     assert kwargs["load_timing_cache"] == "/tmp/t.cache"
     assert kwargs["tactic_sources"] == []
-    kwargs, _ = TensorRTBackend().build_config_kwargs(shapes, "fp32", version, None)
+    kwargs = config_kwargs(shapes, "fp32", features(version), None)
     assert "fp16" not in kwargs and "load_timing_cache" not in kwargs
 
 
@@ -163,12 +165,13 @@ def small_onnx(tmp_path):
 
 
 @pytest.mark.parametrize("version", [V10, V11])
-def test_build_names_its_engine_and_reports_progress(version, small_onnx, tmp_path):
+def test_build_names_its_engine_and_reports_progress(version, small_onnx, tmp_path, monkeypatch):
     path, shapes = small_onnx
     seen = []
+    pretend_gpu(monkeypatch, "sm89")
     with dry_run(version):
-        files = TensorRTBackend(tmp_path / "cache").build_with(
-            path, shapes, "fp16", tmp_path / "out", lambda f, m: seen.append((f, m)), version=version, arch="sm89")
+        files = TensorRTBackend(tmp_path / "cache").build(
+            path, shapes, "fp16", tmp_path / "out", lambda f, m: seen.append((f, m)))
     assert files == [ENGINE_FILE] and (tmp_path / "out" / ENGINE_FILE).is_file()
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
@@ -182,15 +185,16 @@ class Cancelled(Exception):
 
 
 @pytest.mark.parametrize("version", [V10, V11])
-def test_a_cancelled_build_raises_the_callers_exception(version, small_onnx, tmp_path):
+def test_a_cancelled_build_raises_the_callers_exception(version, small_onnx, tmp_path, monkeypatch):
     path, shapes = small_onnx
+    pretend_gpu(monkeypatch)
 
     def progress(fraction, message):
         if fraction > 0.4:
             raise Cancelled("stop")
 
     with dry_run(version), pytest.raises(Cancelled):
-        TensorRTBackend().build_with(path, shapes, "fp32", tmp_path / "out", progress, version=version, arch="sm89")
+        TensorRTBackend().build(path, shapes, "fp32", tmp_path / "out", progress)
     assert not (tmp_path / "out" / ENGINE_FILE).exists()
 
 
@@ -213,10 +217,11 @@ def test_progress_monitor_reports_the_outer_phase_and_stops_on_error():
         assert failing.step_complete("build", 1) is False
 
 
-def test_build_refuses_other_precisions(small_onnx, tmp_path):
+def test_build_refuses_other_precisions(small_onnx, tmp_path, monkeypatch):
     path, shapes = small_onnx
+    pretend_gpu(monkeypatch)
     with dry_run(V10), pytest.raises(EngineError, match="int8"):
-        TensorRTBackend().build_with(path, shapes, "int8", tmp_path, lambda f, m: None, version=V10, arch="sm89")
+        TensorRTBackend().build(path, shapes, "int8", tmp_path, lambda f, m: None)
     assert TensorRTBackend().precisions() == ("fp16", "fp32")
 
 
@@ -258,9 +263,10 @@ def _engine(tmp_path: Path, ids_dtype: str = "INT32") -> Path:
 
 
 @pytest.mark.parametrize("version", [V10, V11])
-def test_runner_sizes_outputs_per_call_and_reuses_buffers(version, tmp_path):
+def test_runner_sizes_outputs_per_call_and_reuses_buffers(version, tmp_path, monkeypatch):
+    pretend_gpu(monkeypatch)
     with dry_run(version):
-        runner = TensorRTRunner(_engine(tmp_path), SHAPES, device="cpu")
+        runner = on_cpu(TensorRTRunner(_engine(tmp_path), SHAPES))
         assert runner.inputs == ["sample", "ids"] and runner.outputs == ["latent", "ids_out"]
         assert runner.dtypes == {"sample": torch.float16, "ids": torch.int32, "latent": torch.float32,
                                  "ids_out": torch.int64}
@@ -285,9 +291,10 @@ def test_runner_sizes_outputs_per_call_and_reuses_buffers(version, tmp_path):
             runner.infer({"sample": view, "ids": ids[:, :77]})
 
 
-def test_runner_refuses_feeds_outside_its_ranges(tmp_path):
+def test_runner_refuses_feeds_outside_its_ranges(tmp_path, monkeypatch):
+    pretend_gpu(monkeypatch)
     with dry_run(V10):
-        runner = TensorRTRunner(_engine(tmp_path), SHAPES, device="cpu")
+        runner = on_cpu(TensorRTRunner(_engine(tmp_path), SHAPES))
         ids = torch.zeros(1, 77, dtype=torch.int64)
         with pytest.raises(EngineError, match="does not cover"):
             runner.infer({"sample": torch.zeros(8, 4, 8, 8), "ids": ids})
@@ -303,11 +310,11 @@ def test_runner_explains_an_engine_it_cannot_use(tmp_path):
     with dry_run(V11):
         (tmp_path / ENGINE_FILE).write_bytes(b"corrupt")
         with pytest.raises(EngineError, match="another TensorRT version or for another GPU"):
-            TensorRTRunner(tmp_path / ENGINE_FILE, SHAPES, device="cpu")
+            TensorRTRunner(tmp_path / ENGINE_FILE, SHAPES)
         with pytest.raises(EngineError, match="has inputs"):
-            TensorRTRunner(_engine(tmp_path), {"sample": SHAPES["sample"]}, device="cpu")
+            TensorRTRunner(_engine(tmp_path), {"sample": SHAPES["sample"]})
         with pytest.raises(EngineError, match="no torch equivalent"):
-            TensorRTRunner(_engine(tmp_path, ids_dtype="FP8"), SHAPES, device="cpu")
+            TensorRTRunner(_engine(tmp_path, ids_dtype="FP8"), SHAPES)
         import tensorrt as trt
 
         assert torch_dtype(trt, trt.DataType.BF16) is torch.bfloat16

@@ -1,10 +1,10 @@
 """The TensorRT backend against the real TensorRT bindings (10.x and 11.x) and the real polygraphy.
 
-TensorRT cannot run here. Its binding wheels' name lists (``sd_accel/backends/tensorrt/names/``,
-made by ``scripts/trt_names.py``) and the installed polygraphy can: every TensorRT name the
-backend uses must exist in each version it runs on, every polygraphy call must bind to
-polygraphy's signature, and the whole build and load path must run on a stand-in ``tensorrt``
-that knows only one version's names (``dryrun``).
+TensorRT cannot run here. Its binding wheels' name lists (``tests/support/trt/names/``, made by
+``scripts/trt_names.py``) and the installed polygraphy can: every TensorRT name the backend uses
+must exist in each version it runs on, every polygraphy call must bind to polygraphy's
+signature, and the whole build and load path must run on a stand-in ``tensorrt`` that knows only
+one version's names (``support.trt.dryrun``).
 """
 
 from __future__ import annotations
@@ -17,29 +17,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from sd_accel.backends.tensorrt import api_names, builder
-from sd_accel.backends.tensorrt.api_names import (
+from sd_accel.backends.tensorrt import builder
+from sd_accel.backends.tensorrt.versions import features
+
+from support.trt import api_names
+from support.trt.api_names import (
     BUILD,
     ONLY_10_FP16,
     ONLY_11,
     POLYGRAPHY,
     RUNTIME,
     TRT_OBJECTS,
+    NameList,
     available_versions,
     declared_names,
     load_list,
     used_names,
 )
-from sd_accel.backends.tensorrt.dryrun import dry_run, engine_plan
-from sd_accel.backends.tensorrt.versions import features
+from support.trt.dryrun import dry_run, engine_plan, on_cpu, pretend_gpu
 
 BACKEND_DIR = Path(builder.__file__).parent
 ROOT = BACKEND_DIR.parents[2]
 NEWEST_10 = "10.16.1.11"
 NEWEST_11 = "11.4.0.106"
 VERSIONS = available_versions()
-# Test support in the backend folder: they describe TensorRT, they do not call it.
-NOT_SCANNED = {"api_names.py", "dryrun.py"}
 
 
 # ---- the committed name lists ---------------------------------------------------------------------
@@ -207,7 +208,7 @@ def scan_source(source: str, filename: str = "<src>") -> tuple[set[str], list[st
 
 
 def _backend_sources() -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(BACKEND_DIR.glob("*.py")) if p.name not in NOT_SCANNED}
+    return {p.name: p.read_text() for p in sorted(BACKEND_DIR.glob("*.py"))}
 
 
 def test_source_scan_finds_what_it_should():
@@ -270,7 +271,7 @@ def unet_onnx(tmp_path_factory):
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
-def test_build_path_runs_on_each_versions_names(version, precision, unet_onnx, tmp_path):
+def test_build_path_runs_on_each_versions_names(version, precision, unet_onnx, tmp_path, monkeypatch):
     from sd_accel.backends.tensorrt.builder import ENGINE_FILE, TensorRTBackend
     from sd_accel.profiles import PRESETS
 
@@ -280,11 +281,10 @@ def test_build_path_runs_on_each_versions_names(version, precision, unet_onnx, t
     timing.parent.mkdir(parents=True)
     timing.write_bytes(b"an earlier build's cache")  # so polygraphy loads it and merges the new one
     seen = []
+    pretend_gpu(monkeypatch, "sm90")
     with dry_run(version) as run:
-        files = TensorRTBackend(tmp_path / "cache").build_with(
-            onnx_path, shapes, precision, tmp_path / "engine", lambda f, m: seen.append((f, m)),
-            version=version, arch="sm90",
-        )
+        files = TensorRTBackend(tmp_path / "cache").build(
+            onnx_path, shapes, precision, tmp_path / "engine", lambda f, m: seen.append((f, m)))
     assert files == [ENGINE_FILE] and (tmp_path / "engine" / ENGINE_FILE).exists()
     assert timing.read_bytes() != b"an earlier build's cache"
     assert seen[-1] == (1.0, "TensorRT: engine saved")
@@ -294,16 +294,18 @@ def test_build_path_runs_on_each_versions_names(version, precision, unet_onnx, t
         assert (onnx_path.parent / "model.fp16.onnx").exists()
 
 
-def test_the_10x_fp16_config_would_break_on_11x(unet_onnx, tmp_path):
-    """The reason for the branch: polygraphy's fp16=True needs BuilderFlag.FP16, which 11.x lacks."""
+def test_the_10x_fp16_config_would_break_on_11x(unet_onnx, tmp_path, monkeypatch):
+    """The reason for the branch: polygraphy's fp16=True needs BuilderFlag.FP16, which 11.x lacks.
+    The stand-in says it is 10.x (so the backend takes the 10.x branch) but has 11.x's names."""
     from sd_accel.backends.tensorrt.builder import TensorRTBackend
     from sd_accel.core import EngineError
 
     spec, onnx_path, root = unet_onnx
     shapes = spec.shape_ranges(spec_profile())
-    with dry_run(NEWEST_11) as run, pytest.raises(EngineError, match="could not build"):
-        TensorRTBackend(root).build_with(onnx_path, shapes, "fp16", tmp_path, lambda f, m: None,
-                                         version=NEWEST_10, arch="sm90")
+    pretend_gpu(monkeypatch, "sm90")
+    eleven_named_ten = NameList(NEWEST_10, load_list(NEWEST_11).names, ())
+    with dry_run(NEWEST_10, eleven_named_ten) as run, pytest.raises(EngineError, match="could not build"):
+        TensorRTBackend(root).build(onnx_path, shapes, "fp16", tmp_path, lambda f, m: None)
     assert "BuilderFlag.FP16" in run.missing
 
 
@@ -314,7 +316,7 @@ def spec_profile():
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_load_and_infer_path_runs_on_each_versions_names(version, tmp_path):
+def test_load_and_infer_path_runs_on_each_versions_names(version, tmp_path, monkeypatch):
     from sd_accel.backends.tensorrt.builder import ENGINE_FILE, TensorRTBackend
 
     shapes = {"sample": ((1, 4, 8, 8), (2, 4, 8, 8), (4, 4, 16, 16)), "timestep": ((1,), (2,), (4,))}
@@ -323,9 +325,9 @@ def test_load_and_infer_path_runs_on_each_versions_names(version, tmp_path):
          "timestep": {"dtype": "FLOAT", "min": [1], "max": [4]}},
         {"latent": {"dtype": "HALF", "like": "sample", "scale": 0.5}},
     ))
+    pretend_gpu(monkeypatch)
     with dry_run(version) as run:
-        runner = TensorRTBackend().load(tmp_path, [ENGINE_FILE], shapes)
-        runner.device = torch.device("cpu")  # the stand-in engine runs on the CPU
+        runner = on_cpu(TensorRTBackend().load(tmp_path, [ENGINE_FILE], shapes))
         sample = torch.randn(2, 4, 12, 10)
         out = runner.infer({"sample": sample, "timestep": torch.tensor([1.0, 2.0])})
         runner.close()
@@ -356,8 +358,8 @@ def test_polygraphy_calls_bind_to_the_real_signatures(version, tmp_path):
 
     from sd_accel.backends.tensorrt.builder import (
         BUILDER_OPTIMIZATION_LEVEL,
-        TensorRTBackend,
         build_time_config_kwargs,
+        config_kwargs,
         engine_call,
         parse_call,
         progress_monitor,
@@ -373,7 +375,7 @@ def test_polygraphy_calls_bind_to_the_real_signatures(version, tmp_path):
         inspect.signature(network_from_onnx_path).bind(*args, **kw)
         assert kw["strongly_typed"] is feats.strongly_typed_only
 
-        kwargs, _ = TensorRTBackend().build_config_kwargs(shapes, "fp16", version, timing)
+        kwargs = config_kwargs(shapes, "fp16", feats, timing)
         kwargs.update(build_time_config_kwargs(trt, 2**30, progress_monitor(trt, lambda f, m: None)))
         _bind_create_config(kwargs)
         config = CreateConfig(**kwargs)  # a real one: CreateConfig only stores them until called

@@ -3,7 +3,6 @@ pickle files unless the caller opts in (a pickle can run arbitrary code when loa
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -50,7 +49,3 @@ def load_pickle_state_dict(path: Path, allow_pickle: bool) -> dict[str, torch.Te
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a dict of tensors")
     return obj
-
-
-def is_single_file(path: str | os.PathLike) -> bool:
-    return Path(path).suffix.lower() in SAFE_SUFFIXES + PICKLE_SUFFIXES

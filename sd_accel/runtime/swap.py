@@ -27,10 +27,6 @@ def _set(pipe, name: str, module) -> None:
     object.__setattr__(pipe, name, module)
 
 
-def is_swapped(pipe) -> bool:
-    return any(isinstance(getattr(pipe, slot, None), EngineModule) for slot in SLOTS)
-
-
 def unswap(pipe) -> None:
     """Put the torch modules back."""
     for slot in SLOTS:

@@ -4,7 +4,8 @@ per engine, a timing cache per GPU arch, a workspace limit and a progress monito
 The arguments of every polygraphy call are made by small functions (:func:`parse_call`,
 :func:`config_kwargs`, :func:`build_time_config_kwargs`, :func:`engine_call`), so the tests bind
 them to the installed polygraphy's real signatures. The TensorRT names they lead to are declared
-per version in ``api_names``.
+per version in ``tests/support/trt/api_names.py``, which the tests check against the real
+binding modules of TensorRT 10.x and 11.x.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def config_kwargs(shapes: ShapeRanges, precision: str, feats: TrtFeatures, timin
         "builder_optimization_level": BUILDER_OPTIMIZATION_LEVEL,
         "tactic_sources": [],
     }
-    if feats.precision_flags and precision == "fp16":  # 10.x: BuilderFlag.FP16 (api_names.ONLY_10_FP16)
+    if feats.precision_flags and precision == "fp16":  # 10.x: BuilderFlag.FP16 (api_names.ONLY_10_FP16 in tests/)
         kwargs["fp16"] = True
     if timing_cache is not None:
         kwargs["load_timing_cache"] = str(timing_cache)
@@ -184,11 +185,6 @@ class TensorRTBackend:
     def default_precision(self) -> str:
         return "fp16"
 
-    def build_config_kwargs(self, shapes: ShapeRanges, precision: str, version: str, timing_cache: Path | None):
-        """Arguments for polygraphy's ``CreateConfig`` that need no TensorRT, and the version's features."""
-        feats = features(version)
-        return config_kwargs(shapes, precision, feats, timing_cache), feats
-
     def build(
         self, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path, progress: Progress,
         calibration: CalibrationSet | None = None,
@@ -197,16 +193,6 @@ class TensorRTBackend:
         ok, version, why = trt_status()
         if not ok:
             raise EngineError(why)
-        from sd_accel.device import gpu_arch
-
-        return self.build_with(onnx_path, shapes, precision, out_dir, progress, version=version, arch=gpu_arch())
-
-    def build_with(
-        self, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path, progress: Progress,
-        *, version: str, arch: str,
-    ) -> list[str]:
-        """:meth:`build` once TensorRT's version and the GPU arch are known (tests run it on a
-        stand-in ``tensorrt`` module, see ``dryrun``)."""
         if precision not in self.precisions():
             raise EngineError(f"the TensorRT backend builds {', '.join(self.precisions())}, not {precision!r}")
         import tensorrt as trt
@@ -218,10 +204,13 @@ class TensorRTBackend:
         )
         from polygraphy.exception import PolygraphyException
 
-        timing = timing_cache_path(self.cache_root, arch, version) if self.cache_root else None
+        from sd_accel.device import gpu_arch
+
+        timing = timing_cache_path(self.cache_root, gpu_arch(), version) if self.cache_root else None
         if timing is not None:
             timing.parent.mkdir(parents=True, exist_ok=True)
-        kwargs, feats = self.build_config_kwargs(shapes, precision, version, timing)
+        feats = features(version)
+        kwargs = config_kwargs(shapes, precision, feats, timing)
         monitor = progress_monitor(trt, progress)
         kwargs.update(build_time_config_kwargs(trt, self.workspace_bytes, monitor))
         source = fp16_onnx(onnx_path) if onnx_precision(precision, feats) == "fp16" else Path(onnx_path)

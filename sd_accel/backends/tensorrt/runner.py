@@ -16,7 +16,7 @@ import torch
 from sd_accel.core import EngineError, ShapeRanges, covers
 
 # TensorRT keeps one logger per process: a second, different one draws a warning on every runtime.
-# Keyed by the module, so the tests' stand-in modules (``dryrun``) never share one with TensorRT.
+# A logger belongs to the module that made it, so the map is keyed by the module.
 _LOGGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 ALIGNMENT = 256  # TensorRT wants tensor addresses 256-byte aligned
 
@@ -47,11 +47,11 @@ def torch_dtype(trt, dtype) -> torch.dtype:
 
 
 class TensorRTRunner:
-    def __init__(self, engine_path: Path, shapes: ShapeRanges, device: str | torch.device = "cuda") -> None:
+    def __init__(self, engine_path: Path, shapes: ShapeRanges) -> None:
         import tensorrt as trt
 
         self.shapes = shapes
-        self.device = torch.device(device)
+        self.device = torch.device("cuda")  # TensorRT runs on the current CUDA device
         # The runtime is kept: an engine must not outlive the runtime that deserialized it.
         self._runtime = trt.Runtime(_shared_logger(trt))
         self.engine = self._runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
@@ -73,8 +73,6 @@ class TensorRTRunner:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _stream(self) -> int:
-        if self.device.type != "cuda":
-            return 0  # the CPU stand-in used by the tests
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _bind(self, name: str, tensor: torch.Tensor) -> None:

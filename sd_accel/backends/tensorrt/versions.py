@@ -5,8 +5,9 @@ calibrator, ``platform_has_fast_fp16`` and ``device_memory_size`` are gone, so p
 the ONNX dtypes (an fp16 ONNX for fp16 engines, Q/DQ nodes for INT8). 10.x builds fp16 engines
 from the fp32 ONNX with the FP16 builder flag.
 
-Every branch on these features is mirrored by a group of names in ``api_names`` (``ONLY_10_FP16``,
-``ONLY_11``), which ``tests/test_trt_names.py`` checks against the real binding modules.
+Every branch on these features is mirrored by a group of names in the tests'
+``support/trt/api_names.py`` (``ONLY_10_FP16``, ``ONLY_11``), which ``tests/test_trt_names.py``
+checks against the real binding modules.
 """
 
 from __future__ import annotations

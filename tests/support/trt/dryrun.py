@@ -18,6 +18,10 @@ address, dtype and buffer handling run for real.
 Subclasses of TensorRT classes (``IProgressMonitor``, ``ILogger``) have each public method they
 define checked against the version's names: a misspelled override would never be called by
 TensorRT. Helpers on such subclasses must be private (``_name``).
+
+The backend also asks torch about the GPU (is CUDA there, its arch, the current stream):
+:func:`pretend_gpu` answers as a machine with one would, and :func:`on_cpu` points a runner at the
+CPU, where the stand-in engines compute.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import types
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 
-from sd_accel.backends.tensorrt.api_names import NameList, load_list
+from support.trt.api_names import NameList, load_list
 
 # Methods whose results are TensorRT objects of a known class: lets the run record
 # "IBuilderConfig.set_flag" rather than "Builder.create_builder_config().set_flag".
@@ -487,3 +492,24 @@ def dry_run(version: str, names: NameList | None = None) -> Iterator[DryRun]:
         trt_util = sys.modules.get("polygraphy.backend.trt.util")
         if trt_util is not None:
             trt_util.TRT_LOGGER = saved_logger
+
+
+# ---- the GPU, as torch describes it -------------------------------------------------------------
+
+
+def pretend_gpu(monkeypatch, arch: str = "sm89") -> None:
+    """Answer the backend's questions to torch as on a machine with an NVIDIA GPU of ``arch``: CUDA
+    is available (``trt_status``), the GPU's arch (timing cache names), and torch's current CUDA
+    stream is the null handle (the stream a runner launches on)."""
+    import sd_accel.device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sd_accel.device, "gpu_arch", lambda index=0: arch)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+
+
+def on_cpu(runner):
+    """A ``TensorRTRunner`` made in a dry run, with its buffers on the CPU, where the stand-in
+    engines read and write them through raw addresses (with :func:`pretend_gpu` for its stream)."""
+    runner.device = torch.device("cpu")
+    return runner

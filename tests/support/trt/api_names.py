@@ -3,7 +3,8 @@
 TensorRT never runs on our CI machines, so nothing else would notice a misspelled method or an
 API a new TensorRT removed. Names here are dotted paths below the ``tensorrt`` module
 (``"DataType.HALF"``) or ``"<Class>.<member>"`` for members of the objects the backend holds
-(``"ICudaEngine.get_tensor_name"``). ``tests/test_trt_names.py`` checks three things:
+(``"ICudaEngine.get_tensor_name"``), for the backend in ``sd_accel/backends/tensorrt/``.
+``tests/test_trt_names.py`` checks three things:
 
 * every name :func:`used_names` gives for a version exists in that version's real binding module
   (the lists in ``names/``, regenerated from the wheels by ``scripts/trt_names.py``);
@@ -12,7 +13,7 @@ API a new TensorRT removed. Names here are dotted paths below the ``tensorrt`` m
 * a dry run of the whole build and load path on a stand-in ``tensorrt`` module that knows only the
   version's names (``dryrun.py``) completes, and touches the names declared below.
 
-Names are grouped by where the version-dependent branches are (``versions.features``): a name that
+Names are grouped by where the version-dependent branches are (the backend's ``versions.features``): a name that
 only one TensorRT major has goes into that major's group, never into the common ones.
 """
 
