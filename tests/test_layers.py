@@ -1,0 +1,62 @@
+"""The layering of shared/DESIGN.md, checked on the source: no module imports a layer above its
+own (lazy imports inside functions included), and no two modules import each other."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sd_accel"
+# Bottom to top, as README's Layout lists them. A layer is the first name under sd_accel.
+ORDER = ["core", "paths", "units", "profiles", "device", "models", "optimize", "samplers", "components", "onnx",
+         "backends", "cache", "runtime", "calibration", "validate", "build", "prompts", "config", "api", "generate",
+         "ui", "bench", "cli_engines", "cli", "webui", "serve"]
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    mod = _module(path)
+    package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {n for n in found if n.startswith("sd_accel.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    return {m: {i for i in _imports(p) if i in modules and i != m} for m, p in modules.items()}
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_every_module_belongs_to_a_known_layer():
+    unknown = sorted({_layer(m) for m in _graph() if "." in m} - set(ORDER))
+    assert not unknown, f"add these to ORDER (and README's Layout): {unknown}"
+
+
+def test_no_layer_imports_upwards():
+    upward = [f"{m} -> {i}" for m, deps in _graph().items() if "." in m for i in deps
+              if _layer(i) != _layer(m) and ORDER.index(_layer(i)) > ORDER.index(_layer(m))]
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_no_two_modules_import_each_other():
+    graph = _graph()
+    pairs = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps
+                    if a in graph.get(b, ()) and not b.startswith(a + ".") and not a.startswith(b + ".")})
+    assert not pairs, pairs
