@@ -172,11 +172,15 @@ def test_overload_gives_503_with_retry_after_and_loses_nothing_accepted(server):
     assert server.stats()["images_made"] - before == len(ok)
 
 
+# 16 images of 150 steps: four calls of 4 images, several seconds even for the tiny model.
+LONG = {"steps": 150, "batch_size": 16}
+
+
 def test_a_client_that_goes_away_frees_its_slot(server):
     before = server.stats()
-    # 150 steps take far longer than the client waits; it gives up after a second.
+    # The client gives up after a second, long before its images are done.
     with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=1.0) as c:
-        c.post(server.url + "/sdapi/v1/txt2img", headers=AUTH, json=_body(3, steps=150))
+        c.post(server.url + "/sdapi/v1/txt2img", headers=AUTH, json=_body(3, **LONG))
     start = time.perf_counter()
     deadline = start + 30
     while time.perf_counter() < deadline:
@@ -199,11 +203,17 @@ def test_a_killed_replica_errors_its_request_and_comes_back(server):
              if "SdAccelModel" in a["name"] and old in a["name"]]
     assert len(names) == 1, names
 
+    calls_before = server.stats()["calls"]
+
     async def kill_during_request():
         async with httpx.AsyncClient(timeout=60) as client:
             pending = asyncio.create_task(
-                client.post(server.url + "/sdapi/v1/txt2img", headers=AUTH, json=_body(5, steps=150)))
-            await asyncio.sleep(2.0)  # the request is running on the replica
+                client.post(server.url + "/sdapi/v1/txt2img", headers=AUTH, json=_body(5, **LONG)))
+            # Kill once the first of its four calls is done: the request is surely on the replica.
+            deadline = time.perf_counter() + 30
+            while (await asyncio.to_thread(server.stats))["calls"] == calls_before and time.perf_counter() < deadline:
+                await asyncio.sleep(0.1)
+            assert not pending.done(), "the request finished before the kill; make it longer"
             ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
             return await pending
 

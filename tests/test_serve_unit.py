@@ -244,10 +244,12 @@ def test_batcher_bounded_queue_and_cancel_frees_the_slot():
         assert b.pending_images() == 0
         late = await b.submit(_job(K64, "late", [5]))  # room again
         await running
+        big = await b.submit(_job(K64, "big", [6, 7, 8]))  # larger than the bound: taken when alone
+        assert len(big.images) == 3
         return late
 
     late = _run(main())
-    assert [c[0][0] for c in fake.calls] == ["run", "late"]  # the cancelled job never ran
+    assert [c[0][0] for c in fake.calls] == ["run", "late", "big", "big", "big"]  # the cancelled job never ran
     assert late.images[0][:2] == ("late", 5)
     assert b.stats()["cancelled_requests"] == 1
 

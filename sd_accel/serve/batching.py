@@ -175,9 +175,11 @@ class Batcher:
         at once; a call already running finishes for the others, or stops if it was alone.
         """
         loop = asyncio.get_running_loop()
-        if self.pending_images() + len(job.seeds) > self.max_pending_images:
+        pending = self.pending_images()
+        # An empty queue takes any one job, so a request larger than the bound is not refused forever.
+        if pending and pending + len(job.seeds) > self.max_pending_images:
             raise QueueFull(
-                f"this replica already holds {self.pending_images()} queued images "
+                f"this replica already holds {pending} queued images "
                 f"(at most {self.max_pending_images}); retry in {self.retry_after_s:g} s"
             )
         self._ensure_worker(loop)
