@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     bch.set_defaults(func=bench.run_from_args)
 
     cli_engines.add_commands(sub, _engine_args)
+
+    from sd_accel.serve import cli as serve_cli
+
+    srv = sub.add_parser("serve", help="serve txt2img over HTTP on Ray Serve, batching concurrent requests")
+    serve_cli.add_arguments(srv)
+    srv.set_defaults(func=serve_cli.run_from_args)
     return parser
 
 

@@ -1,0 +1,165 @@
+"""The HTTP face of ``sd-accel serve``: a FastAPI app over a backend that generates.
+
+Routes (every one behind the bearer token when one is set, the docs and unknown paths included):
+
+- ``POST /sdapi/v1/txt2img``: AUTOMATIC1111-compatible; 422 with the reason for a bad request
+  (before it reaches any queue), 503 with ``Retry-After`` when the replicas are full or one died
+  under it, 504 when it ran past ``request_timeout_s``;
+- ``GET /sdapi/v1/samplers``: the sampler names, as the WebUI lists them;
+- ``GET /sd-accel/engines``: the engine cache the replicas read;
+- ``GET /sd-accel/health``: 200 when a replica can take requests, else 503.
+
+The backend is Ray Serve's model deployment in production (``deployment.py``) and a stand-in in
+tests; this module imports no Ray (FastAPI comes with Ray Serve and with Gradio).
+"""
+
+import asyncio
+import hmac
+import json
+import math
+import time
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from sd_accel.core import InvalidValue, SdAccelError
+from sd_accel.serve.config import ServeConfig
+from sd_accel.serve.txt2img import parse_txt2img, txt2img_answer
+
+
+class Busy(SdAccelError, RuntimeError):
+    """Every replica is full; retry after a while (HTTP 503 with Retry-After)."""
+
+
+class Unavailable(SdAccelError, RuntimeError):
+    """No replica could finish the request (it died under it, or none is running): HTTP 503."""
+
+
+class Backend(Protocol):
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``request``: GenerationParams fields. Raises Busy, Unavailable or InvalidValue."""
+
+    async def health(self) -> dict[str, Any]:
+        """``{"ok": bool, ...}``: whether a replica can take requests, and details."""
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP and websocket request needs ``Authorization: Bearer <token>``."""
+
+    def __init__(self, app, token: str) -> None:
+        self.app = app
+        self._token = ("Bearer " + token).encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(header, self._token):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        body = json.dumps({"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"}).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"www-authenticate", b'Bearer realm="sd-accel"'),
+            (b"content-length", str(len(body)).encode()),
+        ]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def engine_listing(engine_dir: str | None) -> dict[str, Any]:
+    """The engine cache as JSON: every engine with its key fields, size, status and last use."""
+    from sd_accel import EngineCache
+
+    cache = EngineCache(engine_dir)
+    engines = []
+    for r in sorted(cache.list(), key=lambda r: r.name):
+        engines.append({
+            "name": r.name,
+            "component": r.key.component,
+            "weights": r.key.model,
+            "profile": r.key.profile,
+            "precision": r.key.precision,
+            "backend": r.key.backend,
+            "backend_version": r.key.backend_version,
+            "arch": r.key.arch,
+            "shapes": {k: [list(s) for s in v] for k, v in r.shapes.items()},
+            "size_bytes": r.size_bytes,
+            "status": r.status,
+            "bad_reason": r.bad_reason,
+            "last_used": r.last_used,
+        })
+    return {"engine_dir": str(cache.root), "engines": engines,
+            "broken": [{"name": b.name, "reason": b.reason} for b in cache.broken()]}
+
+
+def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
+    """The FastAPI app for ``config``, generating through ``backend``."""
+    app = FastAPI(title="sd-accel serve", version="1")
+    retry_after = str(max(1, math.ceil(config.retry_after_s)))
+    # Admission: what the replicas hold plus the queue in front of them. Counted here, not left to
+    # Ray's max_queued_requests alone, because Ray counts a burst as queued before it assigns it
+    # and so refuses part of a burst that the replicas have room for.
+    capacity = config.num_replicas * config.max_ongoing_requests + config.max_queued_requests
+    inflight = {"n": 0}
+
+    def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse({"detail": message, "error": _ERRORS.get(status, "Error")}, status, headers=headers)
+
+    @app.post("/sdapi/v1/txt2img")
+    async def txt2img(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            return error(422, "the body must be JSON (Content-Type: application/json)")
+        try:
+            req = parse_txt2img(body)
+        except InvalidValue as exc:
+            return error(422, str(exc))  # before any queue: a bad request costs no replica time
+        if inflight["n"] >= capacity:
+            return error(503, f"all {capacity} places (replicas and queue) are taken; retry later",
+                         {"Retry-After": retry_after})
+        inflight["n"] += 1
+        started = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(backend.generate(req.params.to_dict()),
+                                            timeout=config.request_timeout_s)
+        except asyncio.TimeoutError:
+            return error(504, f"the request ran past request_timeout_s={config.request_timeout_s:g} s and was "
+                              "cancelled; retry, or ask for fewer steps or images")
+        except Busy as exc:
+            return error(503, str(exc), {"Retry-After": retry_after})
+        except Unavailable as exc:
+            return error(503, str(exc), {"Retry-After": retry_after})
+        except InvalidValue as exc:
+            return error(422, str(exc))
+        except Exception as exc:  # the pipeline failed: say why in one line (Ray adds the remote traceback)
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            return error(500, f"generation failed: {lines[-1] if lines else type(exc).__name__}")
+        finally:
+            inflight["n"] -= 1
+        answer = txt2img_answer(req, result)
+        return JSONResponse(answer, headers={"X-Process-Time": f"{time.perf_counter() - started:.3f}"})
+
+    @app.get("/sdapi/v1/samplers")
+    async def samplers():
+        from sd_accel.samplers import list_presets
+
+        return [{"name": name, "aliases": [], "options": {}} for name in list_presets(available_only=True)]
+
+    @app.get("/sd-accel/engines")
+    async def engines():
+        return await asyncio.to_thread(engine_listing, config.engine_dir)
+
+    @app.get("/sd-accel/health")
+    async def health():
+        state = await backend.health()
+        return JSONResponse(state, 200 if state.get("ok") else 503,
+                            headers=None if state.get("ok") else {"Retry-After": retry_after})
+
+    if config.token:
+        app.add_middleware(BearerAuth, token=config.token)  # outermost: before routing, docs and 404s
+    return app
+
+
+_ERRORS = {401: "Unauthorized", 422: "InvalidValue", 500: "GenerationFailed", 503: "ServiceUnavailable", 504: "Timeout"}

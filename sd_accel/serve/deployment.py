@@ -1,0 +1,238 @@
+"""Ray Serve wiring: the model deployment (N replicas, each a ``ModelServer``), the HTTP ingress
+(auth, validation, 503/504 mapping) and ``serve()``, which starts it all.
+
+The ingress is its own light deployment (no CPU reserved) so that a bad or unauthorised request
+is answered before it takes a place in a replica's queue, and so that a replica that dies under
+a request gives the client an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sd_accel.core import InvalidValue
+from sd_accel.serve.app import Busy, Unavailable, build_app
+from sd_accel.serve.batching import QueueFull
+from sd_accel.serve.config import ServeConfig
+
+log = logging.getLogger("sd_accel")
+
+MODEL_DEPLOYMENT = "SdAccelModel"
+INGRESS_DEPLOYMENT = "SdAccelIngress"
+HEALTH_CHECK_PERIOD_S = 5.0
+
+
+def _ray():
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ImportError("sd-accel serve needs Ray Serve: pip install 'sd-accel[serve]'") from None
+    return ray, serve
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The user exception inside a Ray task error (Ray re-raises it wrapped)."""
+    return getattr(exc, "cause", None) or exc
+
+
+class RayBackend:
+    """``app.Backend`` over the model deployment's handle."""
+
+    def __init__(self, handle, app_name: str) -> None:
+        self.handle = handle
+        self.app_name = app_name
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        from ray import exceptions as rex
+        from ray.serve import exceptions as sex
+
+        response = self.handle.generate.remote(request)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()  # the client went away or timed out: free the replica's slot
+            raise
+        except sex.BackPressureError:
+            raise Busy("every replica is busy and the queue is full; retry later") from None
+        except (rex.RayActorError, sex.DeploymentUnavailableError, sex.ReplicaUnavailableError) as exc:
+            raise Unavailable(
+                f"the replica serving this request stopped ({type(exc).__name__}); Ray restarts it: retry"
+            ) from None
+        except rex.TaskCancelledError:
+            raise Unavailable("the request was cancelled on the replica; retry") from None
+        except Exception as exc:
+            cause = _cause(exc)
+            if isinstance(cause, QueueFull):
+                raise Busy(str(cause)) from None
+            if isinstance(cause, InvalidValue):
+                raise InvalidValue(str(cause)) from None
+            raise
+
+    async def health(self) -> dict[str, Any]:
+        _, serve = _ray()
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(self.app_name)
+        deployment = app.deployments.get(MODEL_DEPLOYMENT) if app else None
+        if deployment is None:
+            return {"ok": False, "status": "not deployed", "replicas": {}}
+        replicas = {getattr(k, "value", str(k)): v for k, v in deployment.replica_states.items()}
+        return {
+            "ok": replicas.get("RUNNING", 0) > 0,
+            "status": getattr(deployment.status, "value", str(deployment.status)),
+            "replicas": replicas,
+        }
+
+
+class Ingress:
+    """The HTTP ingress deployment's class: builds the FastAPI app on its replica."""
+
+    def __init__(self, config: dict[str, Any], model) -> None:
+        self.config = ServeConfig.from_dict(config)
+        self.backend = RayBackend(model, self.config.app_name)
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.config, self.backend)
+
+
+def build_application(config: ServeConfig):
+    """The Ray Serve application for ``config`` (pass it to ``serve.run``)."""
+    _, serve = _ray()
+    from sd_accel.serve.replica import ModelServer
+
+    data = config.to_dict()
+    model = serve.deployment(
+        ModelServer,
+        name=MODEL_DEPLOYMENT,
+        num_replicas=config.num_replicas,
+        ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
+        max_ongoing_requests=config.max_ongoing_requests,
+        # The ingress admits at most this many (see app.build_app); Ray's own bound is a safety net.
+        max_queued_requests=config.num_replicas * config.max_ongoing_requests + config.max_queued_requests,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=10,
+    )
+    # The ingress holds every request the replicas can hold and queue, plus room for the
+    # health and engine routes; past that Ray's proxy answers 503 with Retry-After itself.
+    ingress_room = config.num_replicas * config.max_ongoing_requests + config.max_queued_requests + 16
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=ingress_room,
+        max_queued_requests=max(16, config.max_queued_requests),
+        backpressure_config={"retry_after_s": config.retry_after_s},
+    )
+    return ingress.bind(data, model.bind(data))
+
+
+def _build_task(data: dict[str, Any]) -> list[str]:
+    """Runs on a Ray worker with a replica's resources: build the engines that are missing."""
+    from sd_accel import build_engines, load_pipeline
+
+    config = ServeConfig.from_dict(data)
+    if config.num_cpus:
+        os.environ.setdefault("SD_ACCEL_ORT_THREADS", str(max(1, int(config.num_cpus))))
+    pipe = load_pipeline(config.model, allow_pickle=config.allow_pickle)
+    records = build_engines(
+        pipe,
+        preset=config.build_preset,
+        profiles=config.build_profiles,
+        backend=config.accel.backend,
+        precision=config.build_precision,
+        engine_dir=config.engine_dir,
+        progress=False,
+    )
+    return [r.name for r in records]
+
+
+def build_missing(config: ServeConfig) -> list[str]:
+    """Build (or reuse) the engines of ``config`` once, on a node of the replicas' kind (same CPU
+    and GPU request, so TensorRT engines match the replicas' GPUs), before any traffic."""
+    ray, _ = _ray()
+    task = ray.remote(num_cpus=config.num_cpus, num_gpus=config.num_gpus, max_retries=0)(_build_task)
+    start = time.perf_counter()
+    names = ray.get(task.remote(config.to_dict()))
+    log.warning("sd-accel serve: %d engine(s) ready in %s (%.0f s)", len(names), config.engine_dir or "./engines",
+                time.perf_counter() - start)
+    return names
+
+
+def init_ray(config: ServeConfig) -> None:
+    """Join ``config.address`` (or ``$RAY_ADDRESS``), else start a small local Ray."""
+    ray, _ = _ray()
+    if ray.is_initialized():
+        return
+    address = config.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(include_dashboard=False, object_store_memory=config.object_store_mb * 2**20)
+
+
+@dataclass
+class Server:
+    """A running ``sd-accel serve`` application."""
+
+    url: str
+    app_name: str
+
+    def stats(self) -> dict[str, Any]:
+        """One replica's stats (requests, calls and their sizes, UNet batches, engine use)."""
+        _, serve = _ray()
+        return serve.get_deployment_handle(MODEL_DEPLOYMENT, self.app_name).stats.remote().result()
+
+    def shutdown(self) -> None:
+        """Remove the application (Ray and Serve keep running for others)."""
+        _, serve = _ray()
+        serve.delete(self.app_name)
+
+
+def serve(config: ServeConfig | None = None, *, blocking: bool = True, **fields: Any) -> Server:
+    """Start ``sd-accel serve``: Ray (joined or local), engines built when ``build_missing``,
+    then the application on ``http://host:port``. ``fields`` are ``ServeConfig`` fields (used
+    when ``config`` is None). With ``blocking`` it serves until Ctrl-C, then shuts Serve down.
+
+    >>> server = serve(model="builtin:tiny-sd15", port=8000, blocking=False)  # doctest: +SKIP
+    >>> server.url                                                          # doctest: +SKIP
+    'http://127.0.0.1:8000'
+    """
+    if config is None:
+        from sd_accel.serve.config import make_config
+
+        config = make_config(**fields)
+    elif fields:
+        raise InvalidValue("give serve() a ServeConfig or its fields, not both")
+    if config.open_to_network and not config.token:
+        log.warning("sd-accel serve: listening on %s without a token: anyone who reaches it can generate; "
+                    "set --token or SD_ACCEL_SERVE_TOKEN", config.host)
+    if config.engine_dir is None:  # the replicas' working folder is Ray's, not ours: make it absolute
+        from sd_accel import EngineCache
+
+        config = dataclasses.replace(config, engine_dir=str(EngineCache(None).root))
+    _, rserve = _ray()
+    init_ray(config)
+    if config.build_missing:
+        build_missing(config)
+    rserve.start(http_options={"host": config.host, "port": config.port})
+    rserve.run(build_application(config), name=config.app_name, route_prefix="/", blocking=False)
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    server = Server(f"http://{host}:{config.port}", config.app_name)
+    if blocking:
+        print(f"sd-accel serve: {config.model} on {server.url} "
+              f"({config.num_replicas} replica(s), batch up to {config.max_batch_size}); Ctrl-C stops it", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            rserve.shutdown()
+    return server

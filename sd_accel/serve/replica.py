@@ -1,0 +1,204 @@
+"""One serving replica: an accelerated pipeline, its batch queue and what it has done.
+
+A plain class (no Ray import): ``deployment.py`` makes it a Ray Serve deployment, and the tests
+run it in-process too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import io
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from sd_accel.generate import GenerationParams, parameters_text
+from sd_accel.serve.batching import Batcher, BatchKey, Job, engine_batch_limit, run_pipeline
+from sd_accel.serve.config import ServeConfig
+
+log = logging.getLogger("sd_accel")
+
+
+def model_label(model: str) -> str:
+    """The model as named in infotexts: a file's stem, never the server's folders."""
+    if model.startswith("builtin:"):
+        return model
+    return Path(model).stem or model
+
+
+def encode_png(image, parameters: str) -> bytes:
+    """PNG bytes with the WebUI's ``parameters`` text chunk (as ``sd_accel.generate.save_png``)."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("parameters", parameters)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", pnginfo=info)
+    return buf.getvalue()
+
+
+class ModelServer:
+    """Loads ``config.model``, accelerates it (engines from ``config.engine_dir``) and serves
+    ``generate`` requests through a ``Batcher``."""
+
+    def __init__(self, config: dict[str, Any] | ServeConfig, pipe=None) -> None:
+        self.config = config if isinstance(config, ServeConfig) else ServeConfig.from_dict(config)
+        self.replica_id = _replica_id()
+        threads = max(1, int(self.config.num_cpus)) if self.config.num_cpus else None
+        if threads:
+            # One replica per reserved core count: ORT and torch would otherwise each take every core.
+            os.environ.setdefault("SD_ACCEL_ORT_THREADS", str(threads))
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        if pipe is None:
+            from sd_accel import accelerate, load_pipeline
+
+            pipe = load_pipeline(self.config.model, allow_pickle=self.config.allow_pickle)
+            pipe = accelerate(pipe, self.config.accel)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe
+        self.model = model_label(self.config.model)
+        self.default_sampler = getattr(getattr(pipe, "sd_accel", None), "sampler", None)
+        self._base_scheduler = pipe.scheduler
+        self._schedulers: dict[str, Any] = {}
+        self._limits: dict[BatchKey, int] = {}
+        self._lock = threading.Lock()
+        self.unet_batches: collections.Counter[int] = collections.Counter()
+        self.requests = 0
+        pipe.unet.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
+        self.batcher = Batcher(
+            run=self._run,
+            limit=self._limit,
+            wait_s=self.config.batch_wait_ms / 1000.0,
+            # Ray bounds the requests a replica holds (max_ongoing_requests); this bounds images,
+            # which is what costs memory: at most that many requests of the largest batch.
+            max_pending_images=self.config.max_ongoing_requests * self.config.max_batch_size,
+            retry_after_s=self.config.retry_after_s,
+        )
+        log.info("sd-accel serve: replica %s ready (%s)", self.replica_id, self.model)
+
+    # ------------------------------------------------------------------ requests
+
+    def default_size(self) -> tuple[int, int]:
+        unet = self.pipe.unet.config
+        side = unet.sample_size * getattr(self.pipe, "vae_scale_factor", 8)
+        return side, side
+
+    def job_for(self, params: GenerationParams) -> Job:
+        """The job for one validated request; a seed of -1 is drawn here."""
+        width, height = params.width, params.height
+        if width is None or height is None:
+            dw, dh = self.default_size()
+            width, height = width or dw, height or dh
+        sampler = params.sampler or self.default_sampler
+        if sampler is not None:
+            from sd_accel.samplers import resolve
+
+            sampler = resolve(sampler).name  # one spelling, so "euler a" batches with "Euler a"
+        seed = params.resolved_seed()
+        key = BatchKey(width=width, height=height, steps=params.steps, cfg=float(params.cfg), sampler=sampler)
+        return Job(key, params.prompt, params.negative_prompt, [seed + i for i in range(params.batch)])
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``request``: ``GenerationParams`` fields. Returns PNG bytes (with infotexts), seeds, the
+        size and sampler used, and the size of each call the images were made in."""
+        params = GenerationParams(**request)  # the same validation the HTTP route ran
+        job = self.job_for(params)
+        with self._lock:
+            self.requests += 1
+        start = time.perf_counter()
+        await self.batcher.submit(job)
+        seconds = time.perf_counter() - start
+        key = job.key
+        sampler_label = key.sampler or type(self._base_scheduler).__name__
+        infotexts = [
+            parameters_text(job.prompt, job.negative_prompt, key.steps, sampler_label, key.cfg, seed,
+                            key.width, key.height, self.model)
+            for seed in job.seeds
+        ]
+        pngs = await asyncio.to_thread(
+            lambda: [encode_png(img, text) for img, text in zip(job.images, infotexts, strict=True)]
+        )
+        return {
+            "images": pngs,
+            "seeds": job.seeds,
+            "infotexts": infotexts,
+            "width": key.width,
+            "height": key.height,
+            "sampler": sampler_label,
+            "model": self.model,
+            "call_sizes": job.call_sizes,
+            "replica": self.replica_id,
+            "seconds": round(seconds, 4),
+        }
+
+    # ------------------------------------------------------------------ the worker
+
+    def _limit(self, key: BatchKey) -> int:
+        if key not in self._limits:
+            engines = engine_batch_limit(self.pipe, key)
+            self._limits[key] = max(1, min(self.config.max_batch_size, engines or self.config.max_batch_size))
+        return self._limits[key]
+
+    def _scheduler(self, sampler: str | None):
+        if sampler is None or sampler == self.default_sampler:
+            return self._base_scheduler
+        if sampler not in self._schedulers:
+            from sd_accel.samplers import make_scheduler
+
+            self._schedulers[sampler] = make_scheduler(sampler, self._base_scheduler)
+        return self._schedulers[sampler]
+
+    def _run(self, key: BatchKey, items, should_stop) -> list:
+        return run_pipeline(self.pipe, key, items, should_stop, scheduler=self._scheduler(key.sampler))
+
+    def _count_unet_batch(self, _module, args, kwargs) -> None:
+        sample = args[0] if args else kwargs.get("sample")
+        if sample is not None:
+            with self._lock:
+                self.unet_batches[int(sample.shape[0])] += 1
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict[str, Any]:
+        """What this replica did: requests, calls and their sizes, UNet batches, engine use."""
+        from sd_accel import stats as engine_stats
+
+        with self._lock:
+            unet = dict(sorted(self.unet_batches.items()))
+            requests = self.requests
+        return {
+            "replica": self.replica_id,
+            "pid": os.getpid(),
+            "model": self.model,
+            "requests": requests,
+            "unet_batches": unet,
+            "batch_limits": {f"{k.width}x{k.height}/{k.steps}/{k.cfg}/{k.sampler}": v for k, v in self._limits.items()},
+            **self.batcher.stats(),
+            "engines": engine_stats(self.pipe),
+        }
+
+    def check_health(self) -> None:
+        """Ray calls this; raising marks the replica unhealthy and Ray replaces it."""
+        if not self.batcher.alive:
+            raise RuntimeError("the batch loop of this replica stopped")
+
+    def __del__(self) -> None:
+        batcher = getattr(self, "batcher", None)
+        if batcher is not None:
+            batcher.close()
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # not in a Ray Serve replica (tests, direct use)
+        return f"local-{os.getpid()}"

@@ -1,0 +1,163 @@
+"""AUTOMATIC1111's ``/sdapi/v1/txt2img`` request and answer, mapped onto ``GenerationParams``.
+
+The request's fields are validated by ``GenerationParams`` (one validation for every face); a
+WebUI field that would change the image in a way sd-accel does not (hires fix, face restore,
+scripts...) is refused with its name rather than silently dropped. Other unknown fields are
+ignored and listed in the answer's ``info``.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sd_accel.core import InvalidValue
+from sd_accel.generate import MAX_BATCH, GenerationParams
+
+# Request field -> GenerationParams field.
+FIELDS = {
+    "prompt": "prompt",
+    "negative_prompt": "negative_prompt",
+    "steps": "steps",
+    "cfg_scale": "cfg",
+    "width": "width",
+    "height": "height",
+    "seed": "seed",
+    "sampler_name": "sampler",
+    "batch_size": "batch",
+}
+# The WebUI's defaults where they differ from GenerationParams' (a random seed, an empty prompt).
+DEFAULTS: dict[str, Any] = {"prompt": "", "negative_prompt": "", "seed": -1, "batch_size": 1, "n_iter": 1}
+
+# WebUI fields sd-accel serve does not implement: accepted only at a value that does nothing.
+_OFF = (None, False)
+REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "enable_hr": _OFF,
+    "restore_faces": _OFF,
+    "tiling": _OFF,
+    "subseed_strength": (None, 0),
+    "seed_resize_from_h": (None, -1, 0),
+    "seed_resize_from_w": (None, -1, 0),
+    "styles": (None, []),
+    "alwayson_scripts": (None, {}),
+    "script_name": (None, ""),
+    "script_args": (None, []),
+    "override_settings": (None, {}),
+    "refiner_checkpoint": (None, ""),
+}
+# Fields that only matter to the WebUI's own saving, or to features above when they are off.
+QUIET = {
+    "n_iter", "send_images", "save_images", "sampler_index", "scheduler", "do_not_save_samples",
+    "do_not_save_grid", "denoising_strength", "subseed", "eta", "s_min_uncond", "s_churn", "s_tmax", "s_tmin",
+    "s_noise", "override_settings_restore_afterwards", "disable_extra_networks", "comments", "hr_scale",
+    "hr_upscaler", "hr_second_pass_steps", "hr_resize_x", "hr_resize_y", "hr_checkpoint_name",
+    "hr_sampler_name", "hr_scheduler", "hr_prompt", "hr_negative_prompt", "hr_cfg", "hr_distilled_cfg",
+    "firstphase_width", "firstphase_height", "refiner_switch_at", "force_task_id", "infotext", "user",
+    "distilled_cfg_scale", "script_name", "script_args", "alwayson_scripts", "styles", "override_settings",
+}
+
+
+@dataclass(frozen=True)
+class Txt2ImgRequest:
+    """A validated request: ``params`` covers every image (``batch`` = batch_size x n_iter,
+    seed resolved), plus what the answer echoes."""
+
+    params: GenerationParams
+    batch_size: int
+    n_iter: int
+    send_images: bool
+    body: dict[str, Any]
+    ignored: tuple[str, ...] = field(default=())
+
+
+def parse_txt2img(body: Any) -> Txt2ImgRequest:
+    """Map a WebUI txt2img body onto ``GenerationParams``; ``InvalidValue`` names the bad field.
+
+    >>> parse_txt2img({"prompt": "a cat", "width": 100}).params
+    Traceback (most recent call last):
+    ...
+    sd_accel.core.InvalidValue: GenerationParams.width=100 is not valid; allowed: a multiple of 8 from 8 to 4096, or None for the model's default
+    """
+    if not isinstance(body, dict):
+        raise InvalidValue(f"the txt2img body must be a JSON object, got {type(body).__name__}")
+    for name, harmless in REFUSED_UNLESS.items():
+        if name in body and body[name] not in harmless:
+            raise InvalidValue(
+                f"txt2img field {name}={body[name]!r} is not supported by sd-accel serve; leave it out "
+                "or set it to " + " / ".join(json.dumps(v) for v in harmless)
+            )
+    kwargs = {dst: body.get(src, DEFAULTS.get(src)) for src, dst in FIELDS.items()
+              if src in body or src in DEFAULTS}
+    if "sampler_name" not in body and body.get("sampler_index"):
+        kwargs["sampler"] = body["sampler_index"]  # the WebUI's older name for it
+    schedule = body.get("scheduler")
+    if schedule not in (None, "", "Automatic", "automatic"):
+        if not kwargs.get("sampler"):
+            raise InvalidValue(f"txt2img field scheduler={schedule!r} needs a sampler_name to go with it")
+        from sd_accel.samplers import resolve
+
+        if not isinstance(schedule, str):
+            raise InvalidValue(f"txt2img field scheduler={schedule!r} must be a schedule name such as 'Karras'")
+        kwargs["sampler"] = resolve(str(kwargs["sampler"]), schedule).name
+    if kwargs.get("negative_prompt") == "":
+        kwargs["negative_prompt"] = None
+    params = GenerationParams(**kwargs)
+    n_iter = body.get("n_iter", 1)
+    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or not 1 <= n_iter <= MAX_BATCH:
+        raise InvalidValue(f"txt2img field n_iter={n_iter!r} is not valid; allowed: an integer from 1 to {MAX_BATCH}")
+    if params.batch * n_iter > MAX_BATCH:
+        raise InvalidValue(f"batch_size x n_iter = {params.batch * n_iter} images; at most {MAX_BATCH} per request")
+    send = body.get("send_images", True)
+    if not isinstance(send, bool):
+        raise InvalidValue(f"txt2img field send_images={send!r} must be true or false")
+    params = dataclasses.replace(params, batch=params.batch * n_iter, seed=params.resolved_seed())
+    ignored = tuple(sorted(k for k in body if k not in FIELDS and k not in QUIET and k not in REFUSED_UNLESS))
+    return Txt2ImgRequest(params, params.batch // n_iter, n_iter, send, dict(body), ignored)
+
+
+def txt2img_answer(request: Txt2ImgRequest, result: dict[str, Any]) -> dict[str, Any]:
+    """The WebUI's answer: ``images`` (base64 PNGs, each with its ``parameters`` text chunk),
+    ``parameters`` (the request with defaults filled in) and ``info`` (a JSON string)."""
+    p = request.params
+    n = len(result["seeds"])
+    parameters = {src: getattr(p, dst) for src, dst in FIELDS.items()}
+    parameters.update(
+        {"prompt": p.prompt, "negative_prompt": p.negative_prompt or "", "batch_size": request.batch_size,
+         "n_iter": request.n_iter, "seed": request.body.get("seed", DEFAULTS["seed"]),
+         "width": result["width"], "height": result["height"], "sampler_name": result["sampler"],
+         "send_images": request.send_images, "save_images": False}
+    )
+    for key, value in request.body.items():
+        parameters.setdefault(key, value)
+    info = {
+        "prompt": p.prompt,
+        "all_prompts": [p.prompt] * n,
+        "negative_prompt": p.negative_prompt or "",
+        "all_negative_prompts": [p.negative_prompt or ""] * n,
+        "seed": result["seeds"][0],
+        "all_seeds": result["seeds"],
+        "subseed": -1,
+        "all_subseeds": [-1] * n,
+        "subseed_strength": 0,
+        "width": result["width"],
+        "height": result["height"],
+        "sampler_name": result["sampler"],
+        "cfg_scale": p.cfg,
+        "steps": p.steps,
+        "batch_size": request.batch_size,
+        "sd_model_name": result["model"],
+        "infotexts": result["infotexts"],
+        "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
+        "sd_accel": {
+            "replica": result.get("replica"),
+            "call_sizes": result.get("call_sizes"),
+            "seconds": result.get("seconds"),
+            "ignored_fields": list(request.ignored),
+        },
+    }
+    images = [base64.b64encode(png).decode("ascii") for png in result["images"]] if request.send_images else []
+    return {"images": images, "parameters": parameters, "info": json.dumps(info)}
