@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sd_accel"
 # Bottom to top, as README's Layout lists them. A layer is the first name under sd_accel.
 ORDER = ["core", "paths", "units", "profiles", "device", "models", "optimize", "samplers", "components", "onnx",
          "backends", "cache", "runtime", "calibration", "validate", "build", "prompts", "config", "api", "generate",
-         "ui", "bench", "cli_engines", "cli", "webui", "serve"]
+         "ui", "bench", "serve", "cli_engines", "cli", "webui"]
 
 
 def _module(path: Path) -> str:
