@@ -192,16 +192,13 @@ def test_onnxruntime_int8_keeps_attention_float_and_fused(exported, tmp_path):
 
 def test_openvino_compiles_attention_into_fused_kernels(exported, tmp_path):
     pytest.importorskip("openvino")
-    import openvino as ov
-
     from sd_accel.backends.openvino import OpenVinoBackend
-    from sd_accel.backends.openvino.builder import ENGINE_FILE, core_config
 
     spec, path = exported("unet")
     shapes = spec.shape_ranges(STATIC_512)
-    OpenVinoBackend().build(path, shapes, "fp32", tmp_path, _quiet)
-    compiled = ov.Core().import_model((tmp_path / ENGINE_FILE).read_bytes(), "CPU", core_config("fp32"))
-    layers = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
+    be = OpenVinoBackend()
+    runner = be.load(tmp_path, be.build(path, shapes, "fp32", tmp_path, _quiet), shapes)
+    layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.compiled.get_runtime_model().get_ops()]
     # Unfused, each block would show two MatMul layers and a Softmax layer (SNIPPETS_MODE=DISABLE does).
     assert "Softmax" not in layers and "MatMul" not in layers
     assert layers.count("Subgraph") + layers.count("ScaledDotProductAttention") >= 8
@@ -253,6 +250,29 @@ def test_static_512_openvino_engine_is_the_size_of_its_weights(exported, tmp_pat
     OpenVinoBackend().build(path, spec.shape_ranges(STATIC_512), "fp32", tmp_path, _quiet)
     weights, _ = weight_bytes(path)
     assert folder_bytes(tmp_path) <= 1.1 * weights + 2**20
+
+
+@pytest.mark.parametrize(("precision", "factor"), [("fp32", 1.02), ("bf16", 0.52)])
+def test_openvino_stores_weights_once_in_the_engine_precision(exported, tmp_path, precision, factor):
+    """``engine.bin`` holds the weights (fp16 storage for bf16 engines); the compiled blob holds
+    none of them (weightless export); the engine loads and matches torch."""
+    pytest.importorskip("openvino")
+    from sd_accel.backends.openvino import OpenVinoBackend
+    from sd_accel.backends.openvino.builder import ENGINE_FILE, WEIGHTS_FILE
+
+    be = OpenVinoBackend()
+    if precision not in be.precisions():
+        pytest.skip(f"this CPU has no native {precision} (AVX512-BF16 or AMX)")
+    spec, path = exported("unet")
+    profile = Profile(batch=1, height=128, width=128)
+    shapes = spec.shape_ranges(profile)
+    files = be.build(path, shapes, precision, tmp_path, _quiet)
+    weights, _ = weight_bytes(path)
+    assert (tmp_path / WEIGHTS_FILE).stat().st_size <= factor * weights
+    assert (tmp_path / ENGINE_FILE).stat().st_size <= 0.3 * weights
+    assert sorted(files) == sorted(p.name for p in tmp_path.iterdir())  # nothing left beside them
+    result = validate(spec, be.load(tmp_path, files, shapes), profile, precision)
+    assert result.ok, result
 
 
 # ---- validation -----------------------------------------------------------------------------------
