@@ -176,6 +176,27 @@ def test_onnxruntime_engine_runs_multihead_attention_and_matches_torch(exported,
     assert result.ok and result.rel_l2 < 1e-4, result
 
 
+def test_onnxruntime_without_fused_attention_builds_plain_and_says_so(exported, tmp_path, monkeypatch, caplog):
+    """An ONNX Runtime that cannot take the rewritten graph (no in-memory external data, no
+    MultiHeadAttention kernel) still gets an engine, with plain attention, and a warning."""
+    import onnxruntime as ort
+
+    real = ort.InferenceSession
+
+    def no_bytes(model, *args, **kwargs):
+        if isinstance(model, bytes):
+            raise RuntimeError("this ONNX Runtime takes no graphs from memory")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", no_bytes)
+    spec, path = exported("unet")
+    files = OnnxRuntimeBackend().build(path, spec.shape_ranges(Profile(batch=1, height=64, width=64)), "fp32",
+                                       tmp_path, _quiet)
+    ops = {n.op_type for n in onnx.load(str(tmp_path / files[0]), load_external_data=False).graph.node}
+    assert "Softmax" in ops and "MultiHeadAttention" not in ops
+    assert "plain attention" in caplog.text
+
+
 def test_onnxruntime_int8_keeps_attention_float_and_fused(exported, tmp_path):
     from sd_accel.core import CalibrationSet
 

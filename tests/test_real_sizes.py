@@ -68,7 +68,7 @@ def export_weight_bytes(engine_dir: Path, component: str) -> int:
     """fp32 weight bytes of a component's ONNX export in the cache (initializers, external included)."""
     import onnx
 
-    (folder,) = sorted((engine_dir / "onnx").glob(f"{component}.*"))
+    (folder,) = [p for p in (engine_dir / "onnx").glob(f"{component}.*") if p.is_dir()]
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     return sum(math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
                for t in model.graph.initializer)
@@ -76,6 +76,9 @@ def export_weight_bytes(engine_dir: Path, component: str) -> int:
 
 def check(result: dict, engine_dir: Path, components: set[str], peak_gib: float, points: list[str]) -> None:
     records = result["records"]
+    print(f"peak RSS {result['peak_bytes'] / 2**30:.2f} GiB;",
+          ", ".join(f"{r['component']} {r['size_bytes'] / 2**20:.1f} MiB rel_l2 {r['validation']['rel_l2']:.1e}"
+                    for r in records))
     assert {r["component"] for r in records} == components
     for r in records:
         v = r["validation"]

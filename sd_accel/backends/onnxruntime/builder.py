@@ -118,16 +118,31 @@ class OnnxRuntimeBackend:
             log.info("%s: %d attention blocks run as MultiHeadAttention (%d softmax left)",
                      onnx_path.name, fused, count_unfused(model))
         progress(0.1, "optimizing with ONNX Runtime")
-        opts = session_options()
-        for symbol, value in symbol_values(onnx_path, shapes).items():
-            opts.add_free_dimension_override_by_name(symbol, value)
-        opts.optimized_model_filepath = str(out_dir / ENGINE_FILE)
-        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_FILE)
-        opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        # The rewritten graph is handed over in memory; its weights are read from the export's folder.
-        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(onnx_path.parent))
+
+        def options(external_folder: Path | None):
+            opts = session_options()
+            for symbol, value in symbol_values(onnx_path, shapes).items():
+                opts.add_free_dimension_override_by_name(symbol, value)
+            opts.optimized_model_filepath = str(out_dir / ENGINE_FILE)
+            opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_FILE)
+            opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            if external_folder is not None:  # a graph handed over in memory reads its weights from there
+                opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                              str(external_folder))
+            return opts
+
+        providers = _providers(self.device)
         try:
-            ort.InferenceSession(model.SerializeToString(), opts, providers=_providers(self.device))
+            if fused:
+                try:
+                    ort.InferenceSession(model.SerializeToString(), options(onnx_path.parent), providers=providers)
+                except Exception as exc:  # an ORT without in-memory external data, or without the op
+                    log.warning("ONNX Runtime %s could not build the fused attention (%s); building with plain "
+                                "attention, whose memory grows with the square of the tokens", ort.__version__,
+                                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    fused = 0
+            if not fused:
+                ort.InferenceSession(str(onnx_path), options(None), providers=providers)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
             raise EngineError(f"ONNX Runtime could not build {onnx_path.name}: {exc}") from exc
         del model
