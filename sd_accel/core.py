@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # torch and numpy only for hints: the cache and the CLI impor
 
 # Bump when the exported graphs change meaning (inputs, outputs, wrapper behaviour):
 # engines built from an older export are then never matched.
-SPEC_VERSION = 1
+# 2: attention traced as 4-D MatMul(Q * scale, K^T) -> Softmax -> MatMul (no baddbmm zero bias).
+SPEC_VERSION = 2
 
 
 Shape = tuple[int, ...]

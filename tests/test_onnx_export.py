@@ -22,7 +22,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline, UNet2DConditionModel
-from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+from diffusers.models.attention_processor import AttnProcessor2_0
 
 from sd_accel.components import UNetSpec, specs_for
 from sd_accel.core import SPEC_VERSION, EngineError
@@ -35,6 +35,7 @@ from sd_accel.onnx import (
     onnx_artifact,
 )
 from sd_accel.onnx import optimize as optimize_mod
+from sd_accel.onnx.attention import ExportAttnProcessor
 from sd_accel.onnx.export import _trace
 
 # The package re-exports the function ``fingerprint``, which shadows the submodule's name.
@@ -177,7 +178,7 @@ def test_plain_attention_during_export_and_restored_after(tiny_factory, tmp_path
 
     monkeypatch.setattr(torch.onnx, "export", spy)
     export_onnx(specs_for(pipe)["unet"], tmp_path / "unet")
-    assert seen["unet"] == {AttnProcessor}
+    assert seen["unet"] == {ExportAttnProcessor}
     export_onnx(specs_for(pipe)["clip"], tmp_path / "clip")
     assert seen["clip"] == "eager"
     after = pipe.unet.attn_processors

@@ -1,7 +1,8 @@
 """Export a component to ONNX, and keep exported files in a cache keyed by the weights' fingerprint.
 
 :func:`export_onnx` traces with the legacy exporter (``dynamo=False``: about 2x faster than dynamo
-on the SD UNet and happy with opset 17) and plain attention, then folds, saves, and checks. It
+on the SD UNet and happy with opset 17) and attention in the form backends fuse
+(:mod:`sd_accel.onnx.attention`), then folds, saves, and checks. It
 writes into a temporary sibling folder and renames it into place, so a crash never leaves a half
 file where a reader looks.
 
@@ -29,6 +30,7 @@ from filelock import FileLock
 
 from sd_accel.components.spec import ComponentSpec
 from sd_accel.core import SPEC_VERSION, EngineError, Progress
+from sd_accel.onnx.attention import export_attention
 from sd_accel.onnx.fingerprint import fingerprint
 from sd_accel.onnx.optimize import DATA_SUFFIX, check_model, optimize_file
 
@@ -46,28 +48,8 @@ def _quiet(frac: float, msg: str) -> None:
 # ---- the torch side -------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def plain_attention(module: torch.nn.Module) -> Iterator[None]:
-    """Plain (matmul + softmax) attention on ``module`` for the duration; the previous state after.
-
-    diffusers models get ``AttnProcessor()`` (SDPA, xFormers or sliced processors would put fused
-    or shape-specialised ops in the graph); transformers models get ``"eager"`` attention. The
-    previous processors / implementation come back even when the body raises.
-    """
-    with contextlib.ExitStack() as stack:
-        if hasattr(module, "attn_processors") and hasattr(module, "set_attn_processor"):
-            from diffusers.models.attention_processor import AttnProcessor
-
-            saved = module.attn_processors  # a fresh dict of the current processor objects
-            module.set_attn_processor(AttnProcessor())
-            stack.callback(module.set_attn_processor, saved)
-        config = getattr(module, "config", None)
-        if hasattr(module, "set_attn_implementation") and hasattr(config, "_attn_implementation"):
-            previous = config._attn_implementation
-            if previous != "eager":
-                module.set_attn_implementation("eager")
-                stack.callback(module.set_attn_implementation, previous)
-        yield
+# Kept for callers of the old name: the export-time attention (see ``sd_accel.onnx.attention``).
+plain_attention = export_attention
 
 
 @contextlib.contextmanager
@@ -111,7 +93,7 @@ def _trace(spec: ComponentSpec, path: Path, opset: int) -> None:
     """Trace the spec's export module into ``path`` (the legacy exporter may scatter weights
     into many files next to it when they pass 2 GB; :func:`optimize_file` gathers them)."""
     module = spec.torch_module()
-    with plain_attention(module), fp32_on(module), torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+    with export_attention(module), fp32_on(module), torch.no_grad(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         wrapper = spec.export_module().eval()
         feed = spec.sample_feed(spec.export_dims())

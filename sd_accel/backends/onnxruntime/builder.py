@@ -10,6 +10,7 @@ first (``quantize.py`` beside this file), then optimizes the quantized model the
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,9 +23,10 @@ from sd_accel.onnx.symbols import symbol_values
 if TYPE_CHECKING:
     from sd_accel.core import CalibrationSet
 
+log = logging.getLogger("sd_accel")
+
 ENGINE_FILE = "engine.onnx"
 DATA_FILE = "engine.onnx.data"
-_TWO_GB = 2**31 - 1
 
 
 def _providers(device: str) -> list[str]:
@@ -98,24 +100,54 @@ class OnnxRuntimeBackend:
             remove_quantized(quant)
 
     def _optimize(self, onnx_path: Path, shapes: ShapeRanges, out_dir: Path, progress: Progress) -> list[str]:
+        """ORT's optimized model of ``onnx_path`` at ``shapes``, attention fused, saved as the engine.
+
+        The engine's tensors always go to one external data file: the optimized model's size is
+        only known once ORT writes it (a protobuf cannot pass 2 GB), and a data file next to a
+        small graph is what ORT loads fastest at any size.
+        """
+        import onnx
         import onnxruntime as ort
 
+        from sd_accel.backends.onnxruntime.attention import count_unfused, fuse_attention
+
+        progress(0.05, "fusing attention")
+        model = onnx.load(str(onnx_path), load_external_data=False)  # the graph; weights stay on disk
+        fused = fuse_attention(model, onnx_path.parent)
+        if fused:
+            log.info("%s: %d attention blocks run as MultiHeadAttention (%d softmax left)",
+                     onnx_path.name, fused, count_unfused(model))
         progress(0.1, "optimizing with ONNX Runtime")
-        opts = session_options()
-        for symbol, value in symbol_values(onnx_path, shapes).items():
-            opts.add_free_dimension_override_by_name(symbol, value)
-        big = sum(f.stat().st_size for f in onnx_path.parent.iterdir() if f.is_file()) > _TWO_GB
-        opts.optimized_model_filepath = str(out_dir / ENGINE_FILE)
-        if big:
+
+        def options(external_folder: Path | None):
+            opts = session_options()
+            for symbol, value in symbol_values(onnx_path, shapes).items():
+                opts.add_free_dimension_override_by_name(symbol, value)
+            opts.optimized_model_filepath = str(out_dir / ENGINE_FILE)
             opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_FILE)
             opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            if external_folder is not None:  # a graph handed over in memory reads its weights from there
+                opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                              str(external_folder))
+            return opts
+
+        providers = _providers(self.device)
         try:
-            ort.InferenceSession(str(onnx_path), opts, providers=_providers(self.device))
+            if fused:
+                try:
+                    ort.InferenceSession(model.SerializeToString(), options(onnx_path.parent), providers=providers)
+                except Exception as exc:  # an ORT without in-memory external data, or without the op
+                    log.warning("ONNX Runtime %s could not build the fused attention (%s); building with plain "
+                                "attention, whose memory grows with the square of the tokens", ort.__version__,
+                                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    fused = 0
+            if not fused:
+                ort.InferenceSession(str(onnx_path), options(None), providers=providers)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
             raise EngineError(f"ONNX Runtime could not build {onnx_path.name}: {exc}") from exc
+        del model
         progress(1.0, "optimized model saved")
-        files = [ENGINE_FILE] + ([DATA_FILE] if (out_dir / DATA_FILE).exists() else [])
-        return files
+        return [ENGINE_FILE] + ([DATA_FILE] if (out_dir / DATA_FILE).exists() else [])
 
     def load(self, engine_dir: Path, files: list[str], shapes: ShapeRanges):
         import onnxruntime as ort

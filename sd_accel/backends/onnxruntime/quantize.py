@@ -2,7 +2,8 @@
 
 - ``int8`` (static): QDQ format, per-channel int8 weights, int8 activations whose ranges come
   from calibration feeds (MinMax). By default the linear layers (MatMul with a constant weight,
-  Gemm) are quantized; the attention score/value MatMuls (activation x activation) stay fp32.
+  Gemm) are quantized; the attention score/value MatMuls (activation x activation) stay fp32 and
+  are left to the ``MultiHeadAttention`` fusion (:func:`attention_matmuls`).
   Convolutions stay fp32 too: on the tiny SD UNet quantizing them took the error at high-noise
   steps from ~1% to 17-20%, even on the steps it was calibrated on. ``SD_ACCEL_INT8_OPS``
   (e.g. ``MatMul,Gemm,Conv``) overrides the op list for experiments.
@@ -90,6 +91,24 @@ def _fixed_shape_model(onnx_path: Path, shapes: ShapeRanges, work: Path) -> Path
     return out
 
 
+def attention_matmuls(model) -> list[str]:
+    """Names of the MatMuls around each Softmax (scores = Q x K^T, output = P x V).
+
+    They multiply two activations: quantizing them puts int8 attention probabilities in the
+    image (and ``MatMulConstBOnly`` does not keep the QDQ quantizer off them), and the Q/DQ
+    nodes around them would hide the attention block from the ``MultiHeadAttention`` fusion."""
+    producer = {out: node for node in model.graph.node for out in node.output}
+    names = []
+    for node in model.graph.node:
+        if node.op_type != "Softmax":
+            continue
+        before = producer.get(node.input[0])
+        if before is not None and before.op_type == "MatMul":
+            names.append(before.name)
+        names += [n.name for n in model.graph.node if n.op_type == "MatMul" and node.output[0] in n.input]
+    return names
+
+
 def _big(onnx_path: Path) -> bool:
     return sum(f.stat().st_size for f in onnx_path.parent.iterdir() if f.is_file()) > _TWO_GB
 
@@ -137,6 +156,7 @@ def quantize_onnx(
                 proto = onnx.load(str(model), load_external_data=False)
                 names = [i.name for i in proto.graph.input]
                 exclude = [n.name for n in proto.graph.node if any(k in n.name for k in SENSITIVE)]
+                exclude += attention_matmuls(proto)
                 reader = _Reader(calibration, names, lambda f, m: progress(0.8 * f, m))
                 quantize_static(
                     model, out_path, reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=static_ops(),

@@ -1,15 +1,29 @@
 """Build an OpenVINO engine: ONNX -> OpenVINO model with the profile's shapes -> compiled for
-this CPU at the requested inference precision -> exported blob (``engine.blob``).
+this CPU at the requested inference precision.
 
 Static profiles compile for one fixed shape (worth up to 3.5x over dynamic ones on CPU,
 DESIGN.md); dynamic profiles compile with bounded dimensions. ``bf16`` sets OpenVINO's
 ``INFERENCE_PRECISION_HINT``: weights and activations run in bf16 on CPUs with AVX512-BF16 or
-AMX, with fp32 accumulation. The compiled blob is tied to the CPU class and the OpenVINO version,
+AMX, with fp32 accumulation. The compiled model is tied to the CPU class and the OpenVINO version,
 which are both part of the engine key.
 
 ``int8`` quantizes the converted model with NNCF first (``quantize.py`` beside this file: int8
 weights and activations from calibration feeds, the layers that cannot take it kept in float),
 then compiles it like ``bf16`` (or ``fp32`` on CPUs without bf16): int8 runs on VNNI/AMX.
+
+**What is stored.** The weights once, in the precision the engine computes in, and the compiled
+graph without them:
+
+- ``engine.bin``: the weights as OpenVINO IR stores them: fp32 for ``fp32`` engines, fp16 for
+  ``bf16`` (OpenVINO has no bf16 IR weights; fp16 holds every bf16 weight's value to within bf16's
+  own rounding and the plugin converts at load), int8 for what NNCF quantized plus fp16 for the
+  rest in ``int8`` engines;
+- ``engine.blob``: the compiled model exported with ``CACHE_MODE=OPTIMIZE_SIZE`` (OpenVINO's
+  "weightless" blob: the optimized graph and kernels' choices, no weights); loading imports it
+  with ``WEIGHTS_PATH`` pointing at ``engine.bin``, which OpenVINO memory-maps.
+
+The engine used to be one exported blob holding the weights as compiled (fp32 for bf16 engines too:
+twice the bf16 size; see the report in the project notes for SD 1.5 figures).
 """
 
 from __future__ import annotations
@@ -27,8 +41,10 @@ from sd_accel.device import cpu_class, cpu_flags
 if TYPE_CHECKING:
     from sd_accel.core import CalibrationSet
 
-ENGINE_FILE = "engine.blob"
+ENGINE_FILE = "engine.blob"  # the compiled graph, without weights
+WEIGHTS_FILE = "engine.bin"  # the weights, in the engine's storage precision
 META_FILE = "engine.json"  # the compile options: import_model must get them again
+_GRAPH_FILE = "engine.xml"  # written with the weights, dropped once compiled (the blob replaces it)
 _HINT = {"fp32": "f32", "bf16": "bf16"}
 INSTALL_HINT = "install it with `pip install openvino` (or `pip install 'sd-accel[openvino]'`)"
 
@@ -51,6 +67,12 @@ def core_config(precision: str) -> dict[str, str]:
     if threads:
         config["INFERENCE_NUM_THREADS"] = str(threads)
     return config
+
+
+def compile_config(precision: str) -> dict[str, str]:
+    """:func:`core_config` plus ``CACHE_MODE=OPTIMIZE_SIZE``: the exported blob leaves the weights
+    out (they are in ``engine.bin``)."""
+    return {**core_config(precision), "CACHE_MODE": "OPTIMIZE_SIZE"}
 
 
 def _partial_shapes(shapes: ShapeRanges):
@@ -115,28 +137,38 @@ class OpenVinoBackend:
                 from sd_accel.backends.openvino.quantize import quantize_openvino
 
                 model = quantize_openvino(model, calibration, lambda f, m: progress(0.1 + 0.4 * f, m))
-            progress(0.5, f"compiling for {cpu_class()} ({precision})")
-            compiled = ov.Core().compile_model(model, "CPU", core_config(precision))
+            progress(0.5, "saving the weights" + ("" if precision == "fp32" else " (fp16 storage)"))
+            # int8: the quantized weights stay int8; compress_to_fp16 stores the float rest as fp16.
+            ov.save_model(model, str(out_dir / _GRAPH_FILE), compress_to_fp16=precision != "fp32")
             del model
-            progress(0.85, "exporting compiled model")
+            progress(0.6, f"compiling for {cpu_class()} ({precision})")
+            compiled = ov.Core().compile_model(str(out_dir / _GRAPH_FILE), "CPU", compile_config(precision))
+            progress(0.85, "exporting the compiled model (without weights)")
             (out_dir / ENGINE_FILE).write_bytes(compiled.export_model().getbuffer())
-            (out_dir / META_FILE).write_text(json.dumps({"precision": precision}))
+            del compiled
+            (out_dir / _GRAPH_FILE).unlink()
+            (out_dir / META_FILE).write_text(json.dumps({"precision": precision, "weights": WEIGHTS_FILE}))
         except EngineError:  # BuildCancelled is one too
             raise
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
             raise EngineError(f"OpenVINO could not build {onnx_path.name}: {exc}") from exc
         progress(1.0, "engine saved")
-        return [ENGINE_FILE, META_FILE]
+        return [ENGINE_FILE, WEIGHTS_FILE, META_FILE]
 
     def load(self, engine_dir: Path, files: list[str], shapes: ShapeRanges):
-        """Import the exported compiled model (seconds, no recompilation)."""
+        """Import the compiled model (seconds, no recompilation); the weights are memory-mapped
+        from ``engine.bin``."""
         import openvino as ov
 
         from sd_accel.backends.openvino.runner import OpenVinoRunner
 
+        engine_dir = Path(engine_dir)
         try:
-            precision = json.loads((engine_dir / META_FILE).read_text())["precision"]
-            compiled = ov.Core().import_model((engine_dir / ENGINE_FILE).read_bytes(), "CPU", core_config(precision))
+            meta = json.loads((engine_dir / META_FILE).read_text())
+            config = compile_config(meta["precision"])
+            if meta.get("weights"):
+                config["WEIGHTS_PATH"] = str(engine_dir / meta["weights"])
+            compiled = ov.Core().import_model((engine_dir / ENGINE_FILE).read_bytes(), "CPU", config)
         except Exception as exc:
             raise EngineError(
                 f"OpenVINO could not load the engine in {engine_dir} ({exc}); delete it and build again"
