@@ -48,6 +48,21 @@ def fingerprint(module: torch.nn.Module) -> str:
     return value
 
 
+def cached_fingerprint(module: torch.nn.Module) -> str | None:
+    """The fingerprint cached on ``module`` if its tensors are still the ones it was computed
+    on (cheap: no hashing), else None."""
+    cached = getattr(module, _ATTR, None)
+    if cached is not None and cached[0] == _signature(module.state_dict(keep_vars=True)):
+        return cached[1]
+    return None
+
+
+def remember_fingerprint(module: torch.nn.Module, value: str) -> None:
+    """Record ``value`` as the fingerprint of ``module``'s tensors as they are now: for code that
+    moved the weights without changing a value (``sd_accel.runtime.weights.park``)."""
+    object.__setattr__(module, _ATTR, (_signature(module.state_dict(keep_vars=True)), value))
+
+
 def clear_fingerprint(module: torch.nn.Module) -> None:
     """Forget the cached fingerprint (after editing weights in a way the version counter misses)."""
     if _ATTR in module.__dict__:
