@@ -21,7 +21,8 @@ from sd_accel.runtime.selection import ComponentEngines
 
 log = logging.getLogger("sd_accel")
 
-_TITLES = {"unet": "UNet", "vae": "VAE", "clip": "text encoder", "clip2": "second text encoder"}
+_TITLES = {"unet": "UNet", "vae_decoder": "VAE", "vae_encoder": "VAE", "clip": "text encoder",
+           "clip2": "second text encoder"}
 
 
 def _out(t: torch.Tensor, like: torch.Tensor | torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:

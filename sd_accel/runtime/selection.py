@@ -130,6 +130,7 @@ class ComponentEngines:
         self.fallback_allowed = fallback
         self.prefer_precision = prefer_precision
         self.stats = ComponentStats()
+        self.model: str | None = None  # the weights id the engines were found for (engines_for sets it)
         # engines="auto": called with (self, feed) when no engine covers a call; returns a new
         # handle that covers it, or the reason the call runs torch (see runtime.autobuild).
         self.builder: Callable[[ComponentEngines, dict[str, torch.Tensor]], EngineHandle | str] | None = None
@@ -149,6 +150,7 @@ class ComponentEngines:
         part = ComponentEngines(self.component, [h for h in self.handles if keep(h)], self.fallback_allowed,
                                 self.prefer_precision)
         part.stats = self.stats
+        part.model = self.model
         return part
 
     def close(self) -> None:
