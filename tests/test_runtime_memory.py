@@ -49,7 +49,7 @@ class Big(torch.nn.Module):
 
 
 @needs_proc
-def test_parked_weights_leave_anonymous_memory_and_compute_the_same(tmp_path):
+def test_anonymous_weights_are_spilled_and_compute_the_same(tmp_path):
     torch.manual_seed(0)
     module = Big()
     x = torch.randn(3, 2048)
@@ -58,33 +58,62 @@ def test_parked_weights_leave_anonymous_memory_and_compute_the_same(tmp_path):
     size_kb = sum(p.numel() * p.element_size() for p in module.parameters()) // 1024
     before = _status_kb("RssAnon")
     spill = weights.park(module, tmp_path, "big")
-    assert spill is not None and spill.nbytes >= size_kb * 1024
+    assert spill is not None and spill.spilled_bytes >= size_kb * 1024 and spill.mapped_bytes == 0
     assert before - _status_kb("RssAnon") > 0.8 * size_kb  # the anonymous copy is gone
     assert module.c.weight is module.tied.weight  # ties survive
     assert cached_fingerprint(module) == fp  # no rehash needed, same value
     file_before = _status_kb("RssFile")
     torch.testing.assert_close(module(x), ref, rtol=0, atol=0)
     assert _status_kb("RssFile") - file_before > 0.8 * size_kb  # a use pages them in (file-backed)
-    assert weights.release(module)
+    assert weights.release(module) > 0.8 * size_kb * 1024
     assert _status_kb("RssFile") - file_before < 0.2 * size_kb
     torch.testing.assert_close(module(x), ref, rtol=0, atol=0)  # and in again
     assert fingerprint(module) == fp
     if os.name == "posix":
         assert list((tmp_path / weights.SPILL_DIR).iterdir()) == []  # unlinked once mapped
-    assert weights.park(module, tmp_path, "big") is spill  # parking again is free
+    assert weights.park(module, tmp_path, "big") is spill  # parking again only pages out
 
 
-def test_edits_after_parking_are_kept_and_never_dropped(tmp_path):
+@needs_proc
+def test_memory_mapped_weights_stay_in_their_file_and_hashing_leaves_them_out(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    big = Big()
+    save_file({k: v.contiguous() for k, v in big.state_dict().items() if k != "tied.weight"},
+              tmp_path / "w.safetensors")
+    # what diffusers does when it loads a .safetensors file: tensors memory-mapped from it
+    module = Big()
+    with safe_open(tmp_path / "w.safetensors", "pt") as fh:
+        loaded = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+    module.load_state_dict(loaded, strict=False, assign=True)
+    module.tied.weight = module.c.weight
+    if not weights.FileMaps().holds(module.a.weight.data_ptr(), 4):
+        pytest.skip("this safetensors copies tensors instead of mapping them; the spill test covers that case")
+    size_kb = sum(p.numel() * p.element_size() for p in module.parameters()) // 1024
+    module(torch.randn(1, 2048))  # everything resident
+    file_before = _status_kb("RssFile")
+    fp = fingerprint(module, each=weights.PageDropper())
+    assert file_before - _status_kb("RssFile") > 0.8 * size_kb  # hashed, and handed back as it went
+    spill = weights.park(module, tmp_path, "mapped")
+    assert spill.spilled_bytes == 0 and spill.mapped_bytes >= size_kb * 1024 and spill.path is None
+    assert not (tmp_path / weights.SPILL_DIR).exists()  # nothing written
+    torch.testing.assert_close(module(torch.ones(1, 2048)), big(torch.ones(1, 2048)), rtol=0, atol=0)
+    assert fingerprint(module) == fp
+
+
+def test_edits_after_parking_are_kept_even_when_pages_are_handed_back(tmp_path):
     module = Big()
     weights.park(module, tmp_path, "big")
     with torch.no_grad():
         module.a.weight.add_(1.0)  # copy-on-write: the file stays as it was
     edited = module.a.weight.clone()
     assert weights.parked(module) is None
-    assert not weights.release(module)  # would lose the edit
+    weights.release(module)  # page-outs never drop written pages
     torch.testing.assert_close(module.a.weight, edited, rtol=0, atol=0)
-    spill = weights.park(module, tmp_path, "big")  # a new spill holds the edit
-    assert spill is not None and weights.release(module)
+    spill = weights.park(module, tmp_path, "big")  # parks again, edit included
+    assert spill is not None and weights.parked(module) is spill
     torch.testing.assert_close(module.a.weight, edited, rtol=0, atol=0)
 
 
@@ -116,7 +145,9 @@ def test_swap_parks_engine_served_modules_and_the_fallback_loads_them_once(unet_
     pipe = accelerate(pipe, AccelConfig(engines=True, engine_dir=str(unet_engines), precision="fp32",
                                         sampler="Euler"))
     assert isinstance(pipe.unet, EngineUNet)
-    assert weights.parked(pipe.unet.torch_module) is not None
+    spill = weights.parked(pipe.unet.torch_module)
+    # diffusers mapped the weights from the model's .safetensors: they stay there, nothing is written
+    assert spill is not None and spill.mapped_bytes > 0 and spill.spilled_bytes == 0
     assert weights.parked(pipe.text_encoder) is None  # no engine for it: untouched
     # what diffusers reads every call answers as before
     assert pipe.unet.dtype == torch.float32 and pipe.unet.device.type == "cpu"
@@ -139,7 +170,11 @@ def test_swap_parks_engine_served_modules_and_the_fallback_loads_them_once(unet_
 @pytest.mark.slow
 def test_parked_pipeline_images_equal_unparked_ones(unet_engines):
     config = AccelConfig(engines=True, engine_dir=str(unet_engines), precision="fp32", sampler="Euler")
-    parked = accelerate(load_pipeline("builtin:tiny-sd15"), config)
+    parked = load_pipeline("builtin:tiny-sd15")
+    parked.unet.to(torch.float64).to(torch.float32)  # same values in anonymous memory (as after a conversion)
+    parked = accelerate(parked, config)
+    spill = weights.parked(parked.unet.torch_module)
+    assert spill.spilled_bytes > 0 and spill.mapped_bytes == 0  # written to the spill file, then mapped
     plain = load_pipeline("builtin:tiny-sd15")
     from sd_accel.backends.registry import get_backend
     from sd_accel.cache.store import EngineCache

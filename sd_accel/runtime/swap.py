@@ -11,7 +11,7 @@ from sd_accel.runtime.autobuild import AutoBuilder
 from sd_accel.runtime.loader import engines_for
 from sd_accel.runtime.modules import EngineModule, EngineTextEncoder, EngineUNet, EngineVAE
 from sd_accel.runtime.selection import ComponentEngines
-from sd_accel.runtime.weights import park, release
+from sd_accel.runtime.weights import PageDropper, park, parked, release
 
 log = logging.getLogger("sd_accel")
 
@@ -63,8 +63,9 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
     ``build`` (``engines="auto"``): every module engines can serve is swapped, with or without
     engines, and a call no engine covers builds one for its shape in ``build_precision``
     (default: the backend's) first (see :mod:`sd_accel.runtime.autobuild`; ``progress`` as for
-    ``build_engines``). ``park_weights``: the torch weights of a module served by engines move
-    to a memory-mapped spill file (:mod:`sd_accel.runtime.weights`) instead of staying in RAM.
+    ``build_engines``). ``park_weights``: the torch weights of a module served by engines cost
+    no resident memory until a fallback uses them (memory-mapped from their files or a spill
+    file: :mod:`sd_accel.runtime.weights`), and hashing the modules leaves none resident.
 
     Returns how many usable engines each component got. Components without engines stay torch
     (unless ``build``); engines of another arch or backend version are never loaded, and the
@@ -88,8 +89,10 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         for component in components:
             if component not in specs:
                 continue
-            engines[component] = engines_for(cache, backend, fingerprint(specs[component].torch_module()),
-                                             component, fallback=fallback, prefer_precision=prefer_precision)
+            # Hashing reads every weight: hand back the pages of memory-mapped ones as it goes.
+            model = fingerprint(specs[component].torch_module(), each=PageDropper() if park_weights else None)
+            engines[component] = engines_for(cache, backend, model, component, fallback=fallback,
+                                             prefer_precision=prefer_precision)
             engines[component].builder = builder
             found[component] = len(engines[component].handles)
         served = any(e.handles for e in engines.values())
@@ -111,7 +114,9 @@ def _after_build(pipe, component: str, cache, park_weights: bool) -> None:
     wrapper = getattr(pipe, slot, None)
     if not isinstance(wrapper, EngineModule):
         return
-    if not release(wrapper.torch_module) and park_weights:
+    if parked(wrapper.torch_module) is not None:
+        release(wrapper.torch_module)
+    elif park_weights:
         park(wrapper.torch_module, cache.root, slot)
 
 

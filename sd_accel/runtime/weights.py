@@ -1,36 +1,44 @@
-"""Torch weights of engine-served modules, moved out of anonymous RAM while engines serve the calls.
+"""Torch weights of engine-served modules, kept out of resident memory while engines serve the calls.
 
 An engine-backed stand-in keeps its torch module for the fallback, for ``config``/``dtype``/
 ``device`` and for whatever else reads the module (export, fingerprints, ``save_pretrained``).
-Keeping those weights in RAM beside the engine doubled the memory of a generation. :func:`park`
-writes them once to a private spill file and points every parameter and buffer at a
-copy-on-write memory map of it (``MAP_PRIVATE``):
+Those weights resident beside the engine doubled the memory of a generation. :func:`park` makes
+them cost nothing until used, while the module stays a normal torch module on the CPU with its
+real weights (``dtype``, ``device``, ``config``, fingerprints, ``unswap``/``torch_modules``,
+``save_pretrained`` all work unchanged):
 
-- the module stays a normal torch module on the CPU, with real weights: ``dtype``, ``device``,
-  ``config``, fingerprints, ``unswap``/``torch_modules`` and ``save_pretrained`` work unchanged;
-- while engines serve every call, no page of it is touched, so it costs no resident memory;
-- a fallback (or an export) pages the weights in from the file; those pages are file-backed,
-  so the kernel can drop them again under pressure, and :func:`release` drops them on purpose;
-- an in-place edit (a LoRA fused, ``load_state_dict``) writes private copies of the touched
-  pages; the file never changes.
+- weights memory-mapped from a file (diffusers and transformers map ``.safetensors`` files
+  as they load them) stay where they are; only their resident pages are handed back
+  (``MADV_PAGEOUT``: data-safe, clean file pages are simply read again when used);
+- weights in anonymous memory (a single-file checkpoint converted at load, a dtype change, an
+  edit) are written once to a private spill file, and the tensors point at a copy-on-write
+  memory map of it (``MAP_PRIVATE``), so the anonymous copy is freed.
+
+A fallback (or an export, a validation) pages the weights in again, said once per module by the
+stand-in; those pages are file-backed, so the kernel may drop them under pressure, and
+:func:`release` drops them on purpose. An in-place edit (a LoRA fused, ``load_state_dict``)
+writes private copies of the touched pages and never reaches a file.
 
 Why not the meta device and a reload from the model source? Only pipelines loaded by
 ``load_pipeline`` know a source, and it reproduces the weights only if nobody changed them since
-(dtype conversions, fused LoRAs, edits): a fallback would then need a check and could still fail
-mid-image. Why not a spill file kept in the cache? It would double the disk of every model.
-The spill file here lives under the engine cache's ``.spill/`` folder (a real disk, not tmpfs),
-and on POSIX it is unlinked as soon as it is mapped: nothing is left behind, even after a crash,
-and its disk space returns when the process ends.
+(dtype conversions, fused LoRAs, edits): a fallback would need a check and could still fail
+mid-image. Why not a spill file kept in the cache? It doubles the disk of every model, and most
+weights are already memory-mapped from their own file. The spill file lives under the engine
+cache's ``.spill/`` folder (a real disk, where ``/tmp`` may be RAM), and on POSIX it is unlinked
+as soon as it is mapped: nothing is left behind, even after a crash; its disk space returns when
+the process ends.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import logging
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from dataclasses import dataclass
@@ -43,22 +51,32 @@ from sd_accel.units import format_size
 log = logging.getLogger("sd_accel")
 
 SPILL_DIR = ".spill"  # under the engine cache root; never an engine folder name
-_ALIGN = 4096  # each storage starts on a page: madvise and SIMD loads both like it
+_ALIGN = 4096  # each spilled storage starts on a page: page-outs and SIMD loads both like it
 _SPACE_MARGIN = 1 << 30  # leave this much of the disk free
 _ATTR = "_sd_accel_parked"
+# MADV_PAGEOUT (Linux >= 5.4): reclaim a range; anonymous pages go to swap (or stay), clean file
+# pages are dropped, dirty ones written back. Never loses data, unlike MADV_DONTNEED.
+_MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform.startswith("linux") else None)
+_PAGE = mmap.PAGESIZE
 
 
 @dataclass
 class ParkedWeights:
-    """The spill file behind one parked module."""
+    """Where one parked module's weights live."""
 
-    path: Path  # where it was written (already unlinked on POSIX)
-    nbytes: int
-    mapping: mmap.mmap
+    mapped_bytes: int  # left memory-mapped from their own files
+    spilled_bytes: int  # written to the spill file
+    path: Path | None  # the spill file (already unlinked on POSIX), None when nothing was spilled
+    mapping: mmap.mmap | None
     signature: tuple  # the module's tensors right after parking (see :func:`_signature`)
 
     def describe(self) -> str:
-        return f"{format_size(self.nbytes)} mapped from {self.path}"
+        parts = []
+        if self.mapped_bytes:
+            parts.append(f"{format_size(self.mapped_bytes)} memory-mapped from the model files")
+        if self.spilled_bytes:
+            parts.append(f"{format_size(self.spilled_bytes)} from the spill file {self.path}")
+        return ", ".join(parts) or "no weights"
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -76,15 +94,103 @@ def _signature(module: torch.nn.Module) -> tuple:
 
 
 def parked(module: torch.nn.Module) -> ParkedWeights | None:
-    """The spill file ``module``'s weights live in, or None (not parked, or changed since)."""
+    """How ``module``'s weights were parked, or None (never, or edited or moved since)."""
     got = module.__dict__.get(_ATTR)
     if got is not None and got.signature != _signature(module):
-        del module.__dict__[_ATTR]  # edited or moved since: the map lives on only while tensors use it
+        del module.__dict__[_ATTR]  # a spill map lives on only while tensors still use it
         return None
     return got
 
 
+# --------------------------------------------------------------------------- file-backed memory
+
+
+class FileMaps:
+    """The file-backed mappings of this process (``/proc/self/maps``; none where it is absent)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        try:
+            with open("/proc/self/maps") as fh:
+                lines = fh.read().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or parts[4] == "0" or parts[5].startswith("["):
+                continue  # anonymous, heap, stack
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if self.ends and lo == self.ends[-1]:
+                self.ends[-1] = hi  # one file mapped as adjacent pieces
+            else:
+                self.starts.append(lo)
+                self.ends.append(hi)
+
+    def holds(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies in one file-backed mapping."""
+        i = bisect.bisect_right(self.starts, ptr) - 1
+        return i >= 0 and ptr + nbytes <= self.ends[i]
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc() if _MADV_PAGEOUT is not None else None
+
+
+def _page_out(ptr: int, nbytes: int) -> int:
+    """Hand back the whole pages of a file-backed range; the bytes advised (0 if unsupported)."""
+    if _LIBC is None:
+        return 0
+    lo = (ptr + _PAGE - 1) // _PAGE * _PAGE
+    hi = (ptr + nbytes) // _PAGE * _PAGE
+    if hi <= lo or _LIBC.madvise(lo, hi - lo, _MADV_PAGEOUT) != 0:
+        return 0
+    return hi - lo
+
+
+class PageDropper:
+    """``dropper(tensor)``: hand back the resident pages of ``tensor``'s storage if it is
+    memory-mapped from a file (anonymous memory is never touched). For hashing a model one
+    tensor at a time without leaving it all resident."""
+
+    def __init__(self) -> None:
+        self.maps = FileMaps()
+        self.dropped = 0
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            return
+        storage = tensor.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes and self.maps.holds(ptr, nbytes):
+            self.dropped += _page_out(ptr, nbytes)
+
+
+def release(module: torch.nn.Module) -> int:
+    """Hand back the resident pages of ``module``'s file-backed weights (after a fallback, an
+    export or a validation paged them in); they load again from their files when used. Returns
+    the bytes advised. Data-safe: pages written in place are kept."""
+    dropper = PageDropper()
+    for storage in _storages(_tensors(module)).values():
+        if storage.nbytes() and dropper.maps.holds(storage.data_ptr(), storage.nbytes()):
+            dropper.dropped += _page_out(storage.data_ptr(), storage.nbytes())
+    return dropper.dropped
+
+
+# --------------------------------------------------------------------------- parking
+
+
 def _why_not(module: torch.nn.Module, tensors: list[torch.Tensor]) -> str | None:
+    if not tensors:
+        return "it has no weights"
     if any(hasattr(m, "_hf_hook") for m in module.modules()):
         return "it is managed by accelerate's offload hooks"
     for t in tensors:
@@ -108,73 +214,70 @@ def _bytes_of(storage: torch.UntypedStorage) -> memoryview:
     return memoryview(flat.numpy())
 
 
-def park(module: torch.nn.Module, folder: Path | str, label: str = "module") -> ParkedWeights | None:
-    """Move ``module``'s weights into a private memory-mapped spill file under ``folder``.
+def _padded(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
-    Returns the spill (also kept on the module), or None, with the reason logged, when the
-    module cannot be parked (not on the CPU, offload hooks, odd tensors, too little disk). A
-    module already parked and unchanged since is left as it is. Values never change: the
-    module computes exactly what it did, and its cached fingerprint stays valid.
+
+def park(module: torch.nn.Module, folder: Path | str, label: str = "module") -> ParkedWeights | None:
+    """Make ``module``'s weights cost no resident memory until used (see the module docstring).
+
+    ``folder``: where a spill file may go (under ``folder/.spill``). Returns how they were
+    parked (also kept on the module), or None, with the reason logged, when the module cannot be
+    (not on the CPU, offload hooks, odd tensors, too little disk for its anonymous weights). A
+    module parked and unchanged since is only paged out again. Values never change: the module
+    computes exactly what it did, and its cached fingerprint stays valid.
     """
     from sd_accel.onnx.fingerprint import cached_fingerprint, remember_fingerprint
 
     done = parked(module)
     if done is not None:
+        release(module)
         return done
     tensors = _tensors(module)
     why = _why_not(module, tensors)
-    if why is None and not tensors:
-        why = "it has no weights"
-    storages = _storages(tensors) if why is None else {}
-    total = sum(_padded(s.nbytes()) for s in storages.values())
-    folder = Path(folder) / SPILL_DIR
-    if why is None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            free = shutil.disk_usage(folder).free
-            if free < total + _SPACE_MARGIN:
-                why = f"{folder} has {format_size(free)} free and the weights need {format_size(total)}"
-        except OSError as exc:
-            why = f"{folder} is not writable ({exc})"
     if why is not None:
         log.info("%s: torch weights stay in RAM beside the engines: %s", label, why)
         return None
-    fingerprint = cached_fingerprint(module)
-    try:
-        path, offsets = _write(folder, label, storages)
-    except OSError as exc:
-        log.warning("%s: torch weights stay in RAM beside the engines: writing %s failed (%s)", label, folder, exc)
-        return None
-    mapping = _map(path, total)
-    base = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage() if total else None
-    with torch.no_grad():
-        for t in tensors:
-            start = offsets[t.untyped_storage().data_ptr()]
-            size = t.element_size()
-            view = torch.empty(0, dtype=t.dtype).set_(base, start // size + t.storage_offset(), t.shape, t.stride())
-            t.data = view
-    storages.clear()
-    _trim_heap()
-    spill = ParkedWeights(path, total, mapping, _signature(module))
-    object.__setattr__(module, _ATTR, spill)
-    if fingerprint is not None:
-        remember_fingerprint(module, fingerprint)  # same values, new addresses: no rehash
-    log.info("%s: torch weights parked (%s); they load on the first fallback", label, spill.describe())
-    return spill
+    maps = FileMaps()
+    storages = _storages(tensors)
+    anonymous = {p: s for p, s in storages.items() if s.nbytes() and not maps.holds(p, s.nbytes())}
+    mapped = sum(s.nbytes() for p, s in storages.items() if p not in anonymous)
+    path = mapping = None
+    spilled = 0
+    if anonymous:
+        fingerprint = cached_fingerprint(module)
+        try:
+            path, mapping, spilled = _spill(module, tensors, anonymous, Path(folder) / SPILL_DIR, label)
+        except OSError as exc:
+            log.warning("%s: torch weights stay in RAM beside the engines: %s", label, exc)
+            return None
+        anonymous.clear()
+        storages = {}
+        _trim_heap()
+        if fingerprint is not None:
+            remember_fingerprint(module, fingerprint)  # same values, new addresses: no rehash
+    result = ParkedWeights(mapped, spilled, path, mapping, _signature(module))
+    object.__setattr__(module, _ATTR, result)
+    release(module)
+    log.info("%s: torch weights parked (%s); they load on the first fallback", label, result.describe())
+    return result
 
 
-def _padded(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _write(folder: Path, label: str, storages: dict[int, torch.UntypedStorage]) -> tuple[Path, dict[int, int]]:
+def _spill(module: torch.nn.Module, tensors: list[torch.Tensor], anonymous: dict[int, torch.UntypedStorage],
+           folder: Path, label: str) -> tuple[Path, mmap.mmap, int]:
+    """Write the anonymous storages to a spill file, map it, point their tensors at the map."""
+    total = sum(_padded(s.nbytes()) for s in anonymous.values())
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < total + _SPACE_MARGIN:
+        raise OSError(f"{folder} has {format_size(free)} free and the weights need {format_size(total)}")
     fd, name = tempfile.mkstemp(prefix=f"{label}-{os.getpid()}-", suffix=".weights", dir=folder)
     path = Path(name)
     offsets: dict[int, int] = {}
     try:
         with os.fdopen(fd, "wb") as fh:
             pos = 0
-            for ptr, storage in storages.items():
+            for ptr, storage in anonymous.items():
                 offsets[ptr] = pos
                 data = _bytes_of(storage)
                 fh.write(data)
@@ -182,34 +285,31 @@ def _write(folder: Path, label: str, storages: dict[int, torch.UntypedStorage]) 
                 if pad:
                     fh.write(b"\0" * pad)
                 pos += len(data) + pad
+        mapping = _map(path, total)
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    return path, offsets
+    base = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+    with torch.no_grad():
+        for t in tensors:
+            start = offsets.get(t.untyped_storage().data_ptr())
+            if start is None:
+                continue  # file-backed already: left where it is
+            size = t.element_size()
+            t.data = torch.empty(0, dtype=t.dtype).set_(base, start // size + t.storage_offset(), t.shape, t.stride())
+    return path, mapping, total
 
 
 def _map(path: Path, total: int) -> mmap.mmap:
     with open(path, "r+b") as fh:
         # ACCESS_COPY: a private copy-on-write map, writable (torch tensors may be edited in
         # place) without ever writing back to the file.
-        mapping = mmap.mmap(fh.fileno(), total, access=mmap.ACCESS_COPY) if total else mmap.mmap(-1, 1)
+        mapping = mmap.mmap(fh.fileno(), total, access=mmap.ACCESS_COPY)
     try:
         path.unlink()  # POSIX: the map keeps the data; nothing is left behind
     except OSError:  # Windows cannot unlink a mapped file: remove it once the map is gone
         weakref.finalize(mapping, lambda p=path: p.unlink(missing_ok=True))
     return mapping
-
-
-def release(module: torch.nn.Module) -> bool:
-    """Drop the resident pages of a parked, unchanged module (after a fallback or an export paged
-    them in); they load again from the file on the next use. False when nothing was dropped."""
-    spill = parked(module)
-    if spill is None or not spill.nbytes or not hasattr(mmap, "MADV_DONTNEED"):
-        return False
-    # Pages written in place would be lost: parked() above says the version counters are the
-    # ones parking left, so no torch op wrote to these tensors.
-    spill.mapping.madvise(mmap.MADV_DONTNEED)
-    return True
 
 
 def _trim_heap() -> None:
