@@ -4,9 +4,9 @@ They keep the torch module (for ``config``, ``dtype``, ``device``, every other a
 the fallback), accept the same calls and return the same output types, so diffusers pipelines
 run unchanged. Engine outputs live in reused buffers; what is handed to diffusers is a copy.
 
-While engines serve it, the torch module's weights are parked in a memory-mapped spill file
-(:mod:`sd_accel.runtime.weights`): they cost no RAM until a fallback pages them in, which is
-said once per module.
+While engines serve it, the torch module's weights are parked (memory-mapped from their model
+files or from a spill file, :mod:`sd_accel.runtime.weights`): they cost no RAM until a fallback
+pages them in, which is said once per module.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class EngineModule(ProxyModule):
 
     def torch_fallback(self) -> torch.nn.Module:
         """The torch module, for a call the engines did not serve. Said once per module when its
-        weights were parked: this is when they load (page in) from the spill file."""
+        weights were parked: this is when they load (page in) from their files."""
         module = self.torch_module
         if not self.__dict__.get("_said_fallback"):
             spill = weights.parked(module)
