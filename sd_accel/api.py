@@ -135,6 +135,7 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
     >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), precision="bf16", sampler="Euler a")  # doctest: +SKIP
     >>> pipe.sd_accel.attention                                                                    # doctest: +SKIP
     'sdpa'
+    >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), engines="auto")  # engines built on first use  # doctest: +SKIP
     """
     if config is None:
         config = AccelConfig(**overrides)
