@@ -89,14 +89,38 @@ def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
 
     cache = EngineCache(config.engine_dir)
     backend = get_backend(config.backend, cache_root=cache.root)
+    auto = config.engines == "auto"
     found = swap_engines(pipe, cache, backend, fallback=config.engine_fallback,
-                          prefer_precision=config.engine_precision)
-    if not any(found.values()):
+                         prefer_precision=config.engine_precision, build=auto,
+                         build_precision=_build_precision(backend, config.engine_precision) if auto else None)
+    if auto:
+        log.info("engines='auto': %s engines found in %s; a call none covers builds one first",
+                 sum(found.values()), cache.root)
+    elif not any(found.values()):
         log.warning(
             "engines=True but %s holds no engine for this model on %s; run build_engines(pipe) or "
-            "`sd-accel build` first. Running torch.", cache.root, backend.name,
+            "`sd-accel build` first, or use engines='auto'. Running torch.", cache.root, backend.name,
         )
     return found
+
+
+# Precisions a build on first use cannot make: static INT8 needs calibration data captured from
+# whole prompt runs beforehand (build_engines(pipe, precision="int8") does that).
+_NOT_ON_FIRST_USE = ("int8",)
+
+
+def _build_precision(backend, wanted: str | None) -> str:
+    """The precision ``engines="auto"`` builds in: ``engine_precision`` when the backend builds it
+    on first use, else the backend's default (said once)."""
+    default = backend.default_precision()
+    if wanted is None or wanted == default:
+        return default
+    if wanted in _NOT_ON_FIRST_USE or wanted not in backend.precisions():
+        why = ("needs calibration data: build it beforehand with build_engines(pipe, precision='int8')"
+               if wanted in _NOT_ON_FIRST_USE else f"is not one {backend.name} builds ({', '.join(backend.precisions())})")
+        log.warning("engines='auto' builds %s engines: engine_precision=%r %s", default, wanted, why)
+        return default
+    return wanted
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -111,6 +135,7 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
     >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), precision="bf16", sampler="Euler a")  # doctest: +SKIP
     >>> pipe.sd_accel.attention                                                                    # doctest: +SKIP
     'sdpa'
+    >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), engines="auto")  # engines built on first use  # doctest: +SKIP
     """
     if config is None:
         config = AccelConfig(**overrides)
@@ -141,7 +166,7 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
         install_vae_guard(vae, config.nan_check)
 
     engines_found: dict[str, int] = {}
-    if config.engines:
+    if config.engines:  # True or "auto"
         engines_found = _swap_engines(pipe, config)
     preset = None
     if config.sampler is not None:

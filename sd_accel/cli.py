@@ -23,6 +23,14 @@ def _size(text: str) -> tuple[int, int]:
     return w, h
 
 
+def _engines_flag(text: str) -> bool | str:
+    """``--engines auto|on|off``; ``--engines`` alone means on (the engines built already)."""
+    value = {"auto": "auto", "on": True, "cached": True, "true": True, "off": False, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"--engines takes auto, on or off, got {text!r}")
+    return value
+
+
 def _generation_params(args: argparse.Namespace):
     """The request in ``args`` as a GenerationParams: InvalidValue (one line, exit 2) if a value is bad."""
     from sd_accel.generate import GenerationParams
@@ -125,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--precision", choices=PRECISION, default="auto")
     gen.add_argument("--offload", choices=OFFLOAD, default="none")
     gen.add_argument("--allow-pickle", action="store_true", help="allow .ckpt pickle checkpoints (they can run code)")
-    gen.add_argument("--engines", action="store_true", help="run on the engines built for this model")
+    gen.add_argument("--engines", nargs="?", const=True, default=False, type=_engines_flag, metavar="auto|on|off",
+                     help="run on the engines built for this model (alone or 'on'); 'auto' also builds one first "
+                          "for a size none covers (once, cached)")
     gen.add_argument("--engine-precision", choices=ENGINE_PRECISIONS, default=None,
                      help="when engines of several precisions fit (int8 and bf16, say), use this one first")
     _engine_args(gen, backend=True)

@@ -15,6 +15,7 @@ OFFLOAD = ("none", "medvram", "lowvram")
 # "auto" and the names in the backend table (sd_accel/backends/registry.py), for menus and --help
 BACKENDS = registry.choices()
 ENGINE_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int8-dynamic")
+ENGINES = (False, True, "auto")  # off, the engines in the cache, the cache plus builds on first use
 
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -35,9 +36,15 @@ class AccelConfig:
       With ``nan_check`` a decode that yields NaN is redone once in fp32 and logged.
     - ``offload``: ``medvram`` (model CPU offload), ``lowvram`` (sequential offload); CUDA only.
     - ``sampler``: a WebUI sampler name such as ``"DPM++ 2M Karras"`` (see ``sd_accel.samplers``).
-    - ``engines``: swap in the engines that ``build_engines`` put in ``engine_dir`` (default
-      ``SD_ACCEL_ENGINE_DIR`` or ``./engines``) for ``backend``. A call no engine covers runs
-      torch, warns once and is counted in ``stats(pipe)``, unless ``engine_fallback=False``.
+    - ``engines``: ``True`` swaps in the engines that ``build_engines`` put in ``engine_dir``
+      (default ``SD_ACCEL_ENGINE_DIR`` or ``./engines``) for ``backend``. A call no engine covers
+      runs torch, warns once and is counted in ``stats(pipe)``, unless ``engine_fallback=False``.
+      ``"auto"``: the same, and a call no engine covers first gets an engine built for its shape
+      (static: its batch, height, width, tokens; progress shown; validated; cached), then runs
+      on it; later calls of that shape reuse it. Each component is built on its own first
+      uncovered call, each shape at most once: a failed build is remembered and that shape
+      runs torch, with the reason in ``stats``. Builds use ``engine_precision`` when the backend
+      builds it without calibration data, else the backend's default precision.
     - ``engine_precision``: when engines of several precisions cover a call (an ``int8`` and a
       ``bf16`` UNet, say), use this one first; components without an engine of that precision
       use the others. ``None``: static engines first, then the nearest profile, then the faster
@@ -45,6 +52,8 @@ class AccelConfig:
 
     >>> AccelConfig(precision="fp16", sampler="Euler a").precision
     'fp16'
+    >>> AccelConfig(engines="auto").engines
+    'auto'
     """
 
     precision: str = "auto"
@@ -56,7 +65,7 @@ class AccelConfig:
     vae_tiling: bool = False
     sampler: str | None = None
     device: str = "auto"
-    engines: bool = False
+    engines: bool | str = False
     engine_dir: str | None = None
     backend: str = "auto"
     engine_fallback: bool = True
@@ -70,7 +79,9 @@ class AccelConfig:
         _check_choice("backend", self.backend, registry.choices())
         if self.engine_precision is not None:
             _check_choice("engine_precision", self.engine_precision, ENGINE_PRECISIONS)
-        for flag in ("nan_check", "vae_slicing", "vae_tiling", "engines", "engine_fallback"):
+        if not (isinstance(self.engines, bool) or self.engines == "auto"):
+            raise InvalidValue(f"AccelConfig.engines={self.engines!r} is not valid; allowed: True, False, 'auto'")
+        for flag in ("nan_check", "vae_slicing", "vae_tiling", "engine_fallback"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidValue(f"AccelConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.device, str) or not (

@@ -124,6 +124,12 @@ class EngineError(SdAccelError, RuntimeError):
     """An engine that cannot be built, loaded or run."""
 
 
+class EngineFault(EngineError):
+    """The engine itself is unusable: a corrupt file, a load or deserialize error, inputs or
+    outputs other than its record says. The runtime marks it bad in the cache; any other run-time
+    error (out of memory, a refused call) only skips it for that call."""
+
+
 class BuildCancelled(EngineError):
     """A build was cancelled; nothing partial was left in the cache."""
 

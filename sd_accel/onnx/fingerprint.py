@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +31,11 @@ _CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per update: bounded extra memory 
 _CONFIG_IGNORED = {"dtype", "torch_dtype", "transformers_version", "architectures", "name_or_path"}
 
 
-def fingerprint(module: torch.nn.Module) -> str:
-    """Hex SHA-256 of ``module``'s weights and architecture (see the module docstring for the rule)."""
+def fingerprint(module: torch.nn.Module, each: Callable[[torch.Tensor], Any] | None = None) -> str:
+    """Hex SHA-256 of ``module``'s weights and architecture (see the module docstring for the rule).
+
+    ``each(tensor)`` runs after each tensor is hashed (the runtime drops the pages of
+    memory-mapped weights there, so that hashing a model does not leave it all resident)."""
     tensors = module.state_dict(keep_vars=True)
     signature = _signature(tensors)
     cached = getattr(module, _ATTR, None)
@@ -42,10 +46,27 @@ def fingerprint(module: torch.nn.Module) -> str:
     digest.update(_config_blob(module))
     for name, tensor in tensors.items():
         _update(digest, name, tensor.detach())
+        if each is not None:
+            each(tensor)
     value = digest.hexdigest()
     # object.__setattr__: nn.Module's __setattr__ would be fine too, but this keeps it off any hooks.
     object.__setattr__(module, _ATTR, (signature, value))
     return value
+
+
+def cached_fingerprint(module: torch.nn.Module) -> str | None:
+    """The fingerprint cached on ``module`` if its tensors are still the ones it was computed
+    on (cheap: no hashing), else None."""
+    cached = getattr(module, _ATTR, None)
+    if cached is not None and cached[0] == _signature(module.state_dict(keep_vars=True)):
+        return cached[1]
+    return None
+
+
+def remember_fingerprint(module: torch.nn.Module, value: str) -> None:
+    """Record ``value`` as the fingerprint of ``module``'s tensors as they are now: for code that
+    moved the weights without changing a value (``sd_accel.runtime.weights.park``)."""
+    object.__setattr__(module, _ATTR, (_signature(module.state_dict(keep_vars=True)), value))
 
 
 def clear_fingerprint(module: torch.nn.Module) -> None:

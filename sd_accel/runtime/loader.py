@@ -82,4 +82,6 @@ def engines_for(cache: EngineCache, backend: Backend, model: str, component: str
     one and call again.
     """
     handles = usable_handles(cache, backend, model, component, on_refused)
-    return ComponentEngines(component, handles, fallback, prefer_precision)
+    engines = ComponentEngines(component, handles, fallback, prefer_precision)
+    engines.model = model
+    return engines

@@ -3,15 +3,26 @@
 They keep the torch module (for ``config``, ``dtype``, ``device``, every other attribute, and
 the fallback), accept the same calls and return the same output types, so diffusers pipelines
 run unchanged. Engine outputs live in reused buffers; what is handed to diffusers is a copy.
+
+While engines serve it, the torch module's weights are parked (memory-mapped from their model
+files or from a spill file, :mod:`sd_accel.runtime.weights`): they cost no RAM until a fallback
+pages them in, which is said once per module.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from sd_accel.runtime import weights
 from sd_accel.runtime.selection import ComponentEngines
+
+log = logging.getLogger("sd_accel")
+
+_TITLES = {"unet": "UNet", "vae_decoder": "VAE", "vae_encoder": "VAE", "clip": "text encoder",
+           "clip2": "second text encoder"}
 
 
 def _out(t: torch.Tensor, like: torch.Tensor | torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -47,6 +58,18 @@ class EngineModule(ProxyModule):
     def component_stats(self) -> dict[str, Any]:
         return {name: e.stats.to_dict() for name, e in self.engines.items()}
 
+    def torch_fallback(self) -> torch.nn.Module:
+        """The torch module, for a call the engines did not serve. Said once per module when its
+        weights were parked: this is when they load (page in) from their files."""
+        module = self.torch_module
+        if not self.__dict__.get("_said_fallback"):
+            spill = weights.parked(module)
+            if spill is not None:
+                self.__dict__["_said_fallback"] = True
+                title = _TITLES.get(next(iter(self.engines), ""), type(module).__name__)
+                log.warning("loading the torch %s for a fallback (%s)", title, spill.describe())
+        return module
+
 
 class EngineUNet(EngineModule):
     """Stands in for ``UNet2DConditionModel``; SDXL's added conditions included."""
@@ -62,14 +85,18 @@ class EngineUNet(EngineModule):
         engines = self.engines["unet"]
         return_dict = kwargs.get("return_dict", True)
         reason = self._unsupported(args, kwargs)
-        out = None
+        out = feed = None
+        if reason is None:
+            try:
+                feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
+            except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
+                reason = f"inputs the engine cannot take ({type(exc).__name__}: {exc})"
         if reason is not None:
             engines.torch_call(reason)
         else:
-            feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
-            out = engines.run(feed)
+            out = engines.run(feed, need=("latent",))
         if out is None:
-            return self.torch_module(sample, timestep, encoder_hidden_states, *args, **kwargs)
+            return self.torch_fallback()(sample, timestep, encoder_hidden_states, *args, **kwargs)
         latent = _out(out["latent"], sample, sample.dtype)
         return UNet2DConditionOutput(sample=latent) if return_dict else (latent,)
 
@@ -110,9 +137,10 @@ class EngineTextEncoder(EngineModule):
         if attention_mask is not None or position_ids is not None or output_attentions:
             engines.torch_call("attention_mask / position_ids / attentions are not in the engine")
         else:
-            out = engines.run({"input_ids": input_ids.to(torch.int32)})
+            need = ("last_hidden_state", "text_embeds" if self.component == "clip2" else "pooler_output")
+            out = engines.run({"input_ids": input_ids.to(torch.int32)}, need=need)
         if out is None:
-            return self.torch_module(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            return self.torch_fallback()(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                      output_attentions=output_attentions,
                                      output_hidden_states=output_hidden_states, return_dict=return_dict, **kwargs)
         return self._outputs(out, input_ids, bool(output_hidden_states), return_dict)
@@ -140,7 +168,7 @@ class EngineVAE(EngineModule):
     """Stands in for ``AutoencoderKL``: ``decode`` and ``encode`` on engines, the rest on torch."""
 
     def forward(self, *args, **kwargs):
-        return self.torch_module(*args, **kwargs)
+        return self.torch_fallback()(*args, **kwargs)
 
     def decode(self, z: torch.Tensor, return_dict: bool = True, generator=None, **kwargs):
         from diffusers.models.autoencoders.vae import DecoderOutput
@@ -154,7 +182,7 @@ class EngineVAE(EngineModule):
                 engines.torch_call("engine decode produced NaN/inf")
                 sample = None
         if sample is None:
-            return self.torch_module.decode(z, return_dict=return_dict, generator=generator, **kwargs)
+            return self.torch_fallback().decode(z, return_dict=return_dict, generator=generator, **kwargs)
         return DecoderOutput(sample=sample) if return_dict else (sample,)
 
     def encode(self, x: torch.Tensor, return_dict: bool = True, **kwargs):
@@ -164,7 +192,7 @@ class EngineVAE(EngineModule):
         engines = self.engines.get("vae_encoder")
         moments = self._per_item(engines, "images", "moments", x) if engines is not None else None
         if moments is None:
-            return self.torch_module.encode(x, return_dict=return_dict, **kwargs)
+            return self.torch_fallback().encode(x, return_dict=return_dict, **kwargs)
         dist = DiagonalGaussianDistribution(moments)
         return AutoencoderKLOutput(latent_dist=dist) if return_dict else (dist,)
 
@@ -174,10 +202,10 @@ class EngineVAE(EngineModule):
         if getattr(self.torch_module, "use_slicing", False) and x.shape[0] > 1:
             parts = []
             for item in x.split(1):
-                out = engines.run({name_in: item.float()})
+                out = engines.run({name_in: item.float()}, need=(name_out,))
                 if out is None:
                     return None
                 parts.append(_out(out[name_out], x, dtype))
             return torch.cat(parts)
-        out = engines.run({name_in: x.float()})
+        out = engines.run({name_in: x.float()}, need=(name_out,))
         return None if out is None else _out(out[name_out], x, dtype)

@@ -1,17 +1,76 @@
-"""The engines of one component and the choice of one per call, on the call's real shapes."""
+"""The engines of one component and the choice of one per call, on the call's real shapes.
+
+What a failing engine costs depends on whose fault it is (:func:`classify`):
+
+- the engine's own (a checksum mismatch, a load or deserialize error, inputs or outputs other
+  than its record says: :class:`~sd_accel.core.EngineFault`, or anything while loading): it is
+  marked bad in the cache and never loaded again until rebuilt;
+- not the engine's (out of memory, a call the runner refuses, another run-time error): it is
+  skipped for that call only, counted in ``stats`` with the reason and said once; the cache is
+  left as it was and later calls use it again. An engine whose calls fail
+  :data:`SUSPEND_AFTER` times in a row with errors that are not out-of-memory is set aside
+  for the rest of the process, still without touching the cache;
+- an interrupt (``KeyboardInterrupt``) is never caught: it ends the call as it would in torch.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from sd_accel.core import EngineError, ShapeRanges, covers, distance
+from sd_accel.core import EngineError, EngineFault, ShapeRanges, covers, distance
 from sd_accel.runtime.stats import ComponentStats
 
 log = logging.getLogger("sd_accel")
+
+SUSPEND_AFTER = 3  # consecutive unexplained run-time failures before an engine is set aside (this process)
+
+# Out of memory as each library words it: ONNX Runtime ("Failed to allocate memory for requested
+# buffer", "bad_alloc"), OpenVINO ("std::bad_alloc"), torch ("DefaultCPUAllocator: can't allocate
+# memory", "CUDA out of memory"), TensorRT and CUDA ("out of memory"), the OS ("Cannot allocate memory").
+_OOM = re.compile(r"out of memory|bad[_ ]alloc|failed to allocate|can't allocate|cannot allocate|outofmemory",
+                  re.IGNORECASE)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says memory ran out."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, MemoryError) or _OOM.search(str(current)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _text(exc: BaseException, limit: int = 240) -> str:
+    text = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def classify(exc: Exception, stage: str) -> tuple[str, str]:
+    """``(kind, reason)`` for an engine failure while ``stage`` (``"load"`` or ``"infer"``).
+
+    kind ``"fault"``: the engine's own, mark it bad; ``"oom"``: out of memory, skip it for this
+    call; ``"skip"``: anything else at run time, skip it for this call (and count towards
+    :data:`SUSPEND_AFTER`).
+
+    >>> classify(MemoryError(), "infer")[0], classify(EngineFault("bad outputs"), "infer")[0]
+    ('oom', 'fault')
+    >>> classify(EngineError("Could not deserialize"), "load")[0], classify(ValueError("x"), "infer")[0]
+    ('fault', 'skip')
+    """
+    if out_of_memory(exc):
+        return "oom", f"out of memory ({_text(exc)})"
+    if stage == "load" or isinstance(exc, EngineFault):
+        return "fault", _text(exc)
+    return "skip", _text(exc)
 
 
 def _shape_tuple(shapes) -> ShapeRanges:
@@ -28,7 +87,8 @@ class EngineHandle:
     arch: str
     backend_version: str
     runner: object | None = None
-    broken: str | None = None
+    broken: str | None = None  # why it is not used any more (this process; faults are in the cache too)
+    failures: int = 0  # run-time failures in a row (reset by a good call)
     shapes: ShapeRanges = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +130,10 @@ class ComponentEngines:
         self.fallback_allowed = fallback
         self.prefer_precision = prefer_precision
         self.stats = ComponentStats()
+        self.model: str | None = None  # the weights id the engines were found for (engines_for sets it)
+        # engines="auto": called with (self, feed) when no engine covers a call; returns a new
+        # handle that covers it, or the reason the call runs torch (see runtime.autobuild).
+        self.builder: Callable[[ComponentEngines, dict[str, torch.Tensor]], EngineHandle | str] | None = None
 
     def set_fallback(self, allowed: bool) -> None:
         """On: a call no engine covers runs torch (counted, said once). Off: it raises EngineError."""
@@ -86,6 +150,7 @@ class ComponentEngines:
         part = ComponentEngines(self.component, [h for h in self.handles if keep(h)], self.fallback_allowed,
                                 self.prefer_precision)
         part.stats = self.stats
+        part.model = self.model
         return part
 
     def close(self) -> None:
@@ -100,31 +165,63 @@ class ComponentEngines:
         return (self.prefer_precision is not None and precision != self.prefer_precision,
                 not handle.static, distance(handle.shapes, feed), _PRECISION_RANK.get(precision, 9))
 
-    def run(self, feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Engine outputs for ``feed``, or None when the caller must run torch (already counted)."""
+    def run(self, feed: dict[str, torch.Tensor], need: tuple[str, ...] = ()) -> dict[str, torch.Tensor] | None:
+        """Engine outputs for ``feed``, or None when the caller must run torch (already counted).
+
+        ``need``: output names the caller reads; an engine without them is at fault.
+        """
         live = [h for h in self.handles if h.broken is None]
         candidates = sorted((h for h in live if covers(h.shapes, feed)), key=lambda h: self._order(h, feed))
+        if not candidates and self.builder is not None:
+            built = self.builder(self, feed)
+            if isinstance(built, str):
+                return self._fallback(built)
+            candidates = [built]
         if not candidates:
             got = ", ".join(f"{k}={tuple(v.shape)}" for k, v in feed.items())
             reason = (f"no engine covers {got}" if live else "no usable engine for this model")
             return self._fallback(reason)
-        failures = []
-        for handle in candidates:  # a broken engine hands the call to the next one that covers it
+        failures: list[str] = []
+        skipped: list[tuple[str, str]] = []
+        for handle in candidates:  # a failing engine hands the call to the next one that covers it
+            stage = "load"
             try:
-                out = handle.get_runner().infer(feed)
-            except Exception as exc:  # an engine failing at run time must not end the image
-                failures.append(self._broken(handle, exc))
+                runner = handle.get_runner()
+                stage = "infer"
+                out = runner.infer(feed)
+                missing = [n for n in need if n not in out]
+                if missing:
+                    raise EngineFault(f"engine {handle.name} returned {sorted(out)}, without {missing}")
+            except Exception as exc:  # an engine failing must not end the image (interrupts do)
+                failures.append(self._failed(handle, exc, stage, skipped))
                 continue
+            handle.failures = 0
+            for name, reason in skipped:  # served after all: say why the others were passed over
+                self.stats.skip(self.component, name, reason, warn=True)
             self.stats.engine(handle.name)
             return out
+        for name, reason in skipped:  # the fallback's warning says it
+            self.stats.skip(self.component, name, reason, warn=False)
         return self._fallback("; ".join(failures))
 
-    def _broken(self, handle: EngineHandle, exc: Exception) -> str:
-        reason = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+    def _failed(self, handle: EngineHandle, exc: Exception, stage: str, skipped: list[tuple[str, str]]) -> str:
+        kind, reason = classify(exc, stage)
+        if kind == "fault":
+            return self._fault(handle, reason)
+        if kind == "skip":
+            handle.failures += 1
+            if handle.failures >= SUSPEND_AFTER:
+                handle.broken = reason
+                log.error("%s: engine %s failed %d calls in a row and is set aside until this process ends "
+                          "(the cache keeps it): %s", self.component, handle.name, handle.failures, reason)
+        skipped.append((handle.name, reason))
+        return f"engine {handle.name} skipped for this call (still in use for the next): {reason}"
+
+    def _fault(self, handle: EngineHandle, reason: str) -> str:
         handle.broken = reason
         log.error("%s: engine %s failed and is marked bad: %s", self.component, handle.name, reason)
-        # Arch and version mismatches never reach here (the loader refuses them), so what fails now
-        # is the engine itself: a bad checksum, a load or a run error.
+        # Arch and version mismatches never reach here (the loader refuses them), so what fails
+        # is the engine itself: a bad checksum, a load error, I/O other than its record says.
         try:
             handle.cache.mark_bad(handle.record.key, reason)
         except Exception as mark_exc:  # the index may be read-only; the fallback still happens

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
+from sd_accel.runtime.autobuild import AutoBuilder
 from sd_accel.runtime.loader import engines_for
 from sd_accel.runtime.modules import EngineModule, EngineTextEncoder, EngineUNet, EngineVAE
 from sd_accel.runtime.selection import ComponentEngines
+from sd_accel.runtime.weights import PageDropper, park, parked, release
 
 log = logging.getLogger("sd_accel")
 
@@ -47,18 +50,32 @@ def torch_modules(pipe):
             _set(pipe, slot, module)
 
 
-def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: str | None = None) -> dict[str, int]:
+def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: str | None = None, *,
+                 build: bool = False, build_precision: str | None = None,
+                 progress: bool | Callable[[Any], None] = True, park_weights: bool = True) -> dict[str, int]:
     """Replace each module that has engines in ``cache`` with its engine-backed stand-in.
     ``prefer_precision``: engines of that precision are tried first (``AccelConfig.engine_precision``).
 
-    Returns how many usable engines each component got. Components without engines stay torch;
-    engines of another arch or backend version are never loaded, and the log says why.
+    ``build`` (``engines="auto"``): every module engines can serve is swapped, with or without
+    engines, and a call no engine covers builds one for its shape in ``build_precision``
+    (default: the backend's) first (see :mod:`sd_accel.runtime.autobuild`; ``progress`` as for
+    ``build_engines``). ``park_weights``: the torch weights of a module served by engines cost
+    no resident memory until a fallback uses them (memory-mapped from their files or a spill
+    file: :mod:`sd_accel.runtime.weights`), and hashing the modules leaves none resident.
+
+    Returns how many usable engines each component got. Components without engines stay torch
+    (unless ``build``); engines of another arch or backend version are never loaded, and the
+    log says why.
     """
     from sd_accel.components import specs_for
     from sd_accel.onnx.fingerprint import fingerprint
 
     unswap(pipe)
     specs = specs_for(pipe)
+    builder = None
+    if build:
+        builder = AutoBuilder(pipe, cache, backend, build_precision or backend.default_precision(), progress)
+        builder.on_built = lambda component: _after_build(pipe, component, cache, park_weights)
     found: dict[str, int] = {}
     for slot, components in SLOTS.items():
         module = getattr(pipe, slot, None)
@@ -68,16 +85,46 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         for component in components:
             if component not in specs:
                 continue
-            engines[component] = engines_for(cache, backend, fingerprint(specs[component].torch_module()),
-                                             component, fallback=fallback, prefer_precision=prefer_precision)
+            # Hashing reads every weight: hand back the pages of memory-mapped ones as it goes.
+            model = fingerprint(specs[component].torch_module(), each=PageDropper() if park_weights else None)
+            engines[component] = engines_for(cache, backend, model, component, fallback=fallback,
+                                             prefer_precision=prefer_precision)
+            engines[component].builder = builder
             found[component] = len(engines[component].handles)
-        if not any(e.handles for e in engines.values()):
+        served = any(e.handles for e in engines.values())
+        if not engines or not (served or builder is not None):
             continue
         wrapper = _wrap(slot, module, engines)
         _set(pipe, slot, wrapper)
+        if served and park_weights:
+            park(module, cache.root, slot)
     _guard_save(pipe)
-    log.info("engines swapped in: %s", found)
+    log.info("engines swapped in: %s%s", found, " (more are built on first use)" if build else "")
     return found
+
+
+def _after_build(pipe, component: str, cache, park_weights: bool) -> None:
+    """A new engine serves ``component``: park its module's weights, or, already parked, drop
+    the pages the export and the validation read."""
+    slot = next(s for s, comps in SLOTS.items() if component in comps)
+    wrapper = getattr(pipe, slot, None)
+    if not isinstance(wrapper, EngineModule):
+        return
+    if parked(wrapper.torch_module) is not None:
+        release(wrapper.torch_module)
+    elif park_weights:
+        park(wrapper.torch_module, cache.root, slot)
+
+
+def set_build_progress(pipe, progress: bool | Callable[[Any], None]) -> None:
+    """Where the builds of ``engines="auto"`` report: True (tqdm bars), False, or a callable
+    taking :class:`sd_accel.build.BuildEvent` (a panel's progress bar)."""
+    for slot in SLOTS:
+        module = getattr(pipe, slot, None)
+        if isinstance(module, EngineModule):
+            for engines in module.engines.values():
+                if engines.builder is not None:
+                    engines.builder.progress = progress
 
 
 def _wrap(slot: str, module, engines: dict[str, ComponentEngines]) -> EngineModule:

@@ -25,6 +25,7 @@ from sd_accel.ui.state import (
     DEFAULT_COMPONENTS,
     DEFAULT_MODEL,
     ENGINE_HEADERS,
+    ENGINE_MODES,
     BuildRequest,
     BuildUpdate,
     Busy,
@@ -130,7 +131,9 @@ def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
                 precision = gr.Dropdown(list(PRECISION), value=state.precision, label="Precision",
                                         elem_id="sd-accel-precision")
                 offload = gr.Dropdown(list(OFFLOAD), value="none", label="Offload", elem_id="sd-accel-offload")
-                use_engines = gr.Checkbox(value=True, label="Use engines", elem_id="sd-accel-use-engines")
+                # auto: a size no engine covers gets one built first (cached); cached: only built ones
+                use_engines = gr.Dropdown(list(ENGINE_MODES), value="auto", label="Engines (auto: build on first use)",
+                                          elem_id="sd-accel-use-engines")
             button = gr.Button("Generate", variant="primary", elem_id="sd-accel-generate")
         with gr.Column(scale=2):
             gallery = gr.Gallery(label="Images", columns=2, height=400, elem_id="sd-accel-gallery")
@@ -146,7 +149,7 @@ def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
             sampler=None if sampler_name in (None, "", DEFAULT_SAMPLER_LABEL) else sampler_name,
             steps=n_steps, cfg=cfg_scale, width=w, height=h, batch=n,
             seed=0 if seed_value is None else seed_value, attention=attention_name, precision=precision_name,
-            offload=offload_name, engines=bool(engines_on),
+            offload=offload_name, engines=engines_on if isinstance(engines_on, bool) else (engines_on or "off"),
         )
         try:
             outcome = state.generate(req)

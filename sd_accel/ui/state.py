@@ -35,6 +35,8 @@ COMPONENT_CHOICES = ("clip", "clip2", "unet", "vae_decoder", "vae_encoder")
 DEFAULT_COMPONENTS = ("clip", "clip2", "unet", "vae_decoder")
 # what build_engines takes; a backend that cannot build one says so in the panel's status line
 BUILD_PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8", "int8-dynamic")
+# The Generate tab's engine choices -> AccelConfig.engines: build on first use, cached only, off.
+ENGINE_MODES = {"auto": "auto", "cached": True, "off": False}
 ENGINE_HEADERS = ["component", "profile", "precision", "backend", "size", "rel_l2", "status", "last used",
                   "model", "name"]
 _POLL_S = 0.25  # how often a waiting build generator wakes to yield (keeps the page live)
@@ -146,7 +148,7 @@ class GenerateRequest:
     attention: str = "auto"
     precision: str | None = None
     offload: str = "none"
-    engines: bool = True
+    engines: bool | str = True  # True / "cached", "auto", False / "off" (see ENGINE_MODES)
 
     def params(self) -> GenerationParams:
         """The request as a :class:`~sd_accel.generate.GenerationParams`, which checks every value.
@@ -159,6 +161,19 @@ class GenerateRequest:
             cfg=self.cfg, width=_whole(self.width), height=_whole(self.height), batch=_whole(self.batch),
             seed=_whole(self.seed), sampler=self.sampler or None,
         )
+
+
+def engines_setting(value: bool | str) -> bool | str:
+    """``AccelConfig.engines`` for a request's ``engines``: a bool or one of :data:`ENGINE_MODES`.
+
+    >>> engines_setting("cached"), engines_setting("auto"), engines_setting(False)
+    (True, 'auto', False)
+    """
+    if isinstance(value, bool):
+        return value
+    if value not in ENGINE_MODES:
+        raise InvalidValue(f"engines {value!r} is not one of {', '.join(ENGINE_MODES)}")
+    return ENGINE_MODES[value]
 
 
 def _whole(value: Any) -> Any:
@@ -210,6 +225,7 @@ def usage_text(before: dict[str, dict], after: dict[str, dict], engines_found: d
         tor = now["torch_calls"] - old.get("torch_calls", 0)
         reasons = {k: v - old.get("fallbacks", {}).get(k, 0) for k, v in now["fallbacks"].items()}
         why = "; ".join(k for k, v in reasons.items() if v > 0)
+        built = len(now.get("builds", ())) - len(old.get("builds", ()))
         if eng == 0 and tor == 0:
             out[comp] = "not called"
         elif tor == 0:
@@ -218,6 +234,8 @@ def usage_text(before: dict[str, dict], after: dict[str, dict], engines_found: d
             out[comp] = f"torch ({_calls(tor)}: {why})"
         else:
             out[comp] = f"engine ({_calls(eng)}) + torch ({_calls(tor)}: {why})"
+        if built > 0:
+            out[comp] += f", {built} engine{'s' if built != 1 else ''} built first"
     return out
 
 
@@ -314,9 +332,10 @@ class PanelState:
         params = req.params()  # InvalidValue for a bad number, before any model is loaded
         if self.building:
             raise Busy("Engines are being built; generate when the build ends, or cancel it.")
+        engines = engines_setting(req.engines)
         config = AccelConfig(
             precision=req.precision or self.precision, attention=req.attention, offload=req.offload,
-            sampler=params.sampler, engines=bool(req.engines), engine_dir=self.engine_dir,
+            sampler=params.sampler, engines=engines, engine_dir=self.engine_dir,
             backend=self.backend,
         )
         with self._lock:
@@ -324,10 +343,10 @@ class PanelState:
             before = stats(pipe)
             result = generate(pipe, params)
             after = stats(pipe)
-        found = pipe.sd_accel.engines if req.engines else {}
+        found = pipe.sd_accel.engines if engines else {}
         return GenerateOutcome(
             images=result.images, seconds=result.seconds, it_per_s=result.it_per_s, steps=result.steps,
-            unet_calls=result.unet_calls, usage=usage_text(before, after, found, bool(req.engines)),
+            unet_calls=result.unet_calls, usage=usage_text(before, after, found, engines is not False),
             summary=pipe.sd_accel.summary(), seed=result.seed,
         )
 

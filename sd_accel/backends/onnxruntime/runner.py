@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sd_accel.core import EngineError, ShapeRanges, covers
+from sd_accel.core import EngineError, EngineFault, ShapeRanges, covers
 
 _NP = {
     "tensor(float)": np.float32,
@@ -25,6 +25,8 @@ class OnnxRuntimeRunner:
         self.session = session
         self.shapes = shapes
         self.input_types = {i.name: _NP[i.type] for i in session.get_inputs()}
+        if set(self.input_types) != set(shapes):  # the engine's fault: the runtime marks it bad
+            raise EngineFault(f"the engine's inputs {sorted(self.input_types)} are not its record's {sorted(shapes)}")
         self.output_names = [o.name for o in session.get_outputs()]
         self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
 

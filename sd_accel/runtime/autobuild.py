@@ -1,0 +1,158 @@
+"""``engines="auto"``: a call no engine covers gets an engine built for its shape, then runs on it.
+
+:class:`AutoBuilder` is the ``builder`` of every :class:`~sd_accel.runtime.selection.ComponentEngines`
+of a pipeline swapped with ``build=True``. On a call no engine covers it works out the static
+profile of that call (its batch, height, width and tokens), builds the engine the usual way
+(:func:`sd_accel.build.build_one`: ONNX export, backend build, validation against torch, the
+cache), and hands it to the call. Each shape is built at most once: a failed build is remembered
+on the pipeline (accelerating it again does not retry), and calls of that shape run torch with
+the reason.
+
+Components are built on their own first uncovered call, so one generation builds the text
+encoder, then the UNet, then the VAE decoder as it reaches them (the VAE encoder only when an
+image-to-image call needs it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sd_accel.core import EngineError, covers
+from sd_accel.profiles import TOKEN_CHUNK, Profile
+from sd_accel.runtime.selection import ComponentEngines, EngineHandle, _text
+
+log = logging.getLogger("sd_accel")
+
+
+def _shape_key(component: str, feed: dict[str, torch.Tensor]) -> tuple:
+    return component, tuple((k, tuple(v.shape)) for k, v in sorted(feed.items()))
+
+
+def _call_dims(spec, feed: dict[str, torch.Tensor]) -> dict[str, int] | None:
+    """The value of each of the spec's symbols (``B2``, ``H8``, ``T`` ...) in this call."""
+    dims: dict[str, int] = {}
+    for t in spec.inputs():
+        tensor = feed.get(t.name)
+        if tensor is None or tensor.dim() != len(t.dims):
+            return None
+        for d, n in zip(t.dims, tensor.shape, strict=True):
+            if isinstance(d, str):
+                if dims.setdefault(d, int(n)) != int(n):
+                    return None
+            elif d != n:
+                return None
+    return dims
+
+
+def profile_for_call(spec, feed: dict[str, torch.Tensor]) -> Profile | None:
+    """The narrowest profile whose engine for ``spec`` serves ``feed``: static where the call's
+    shape can be one (a UNet batch of 2B under classifier-free guidance), else the smallest
+    dynamic batch range. None when no profile can (tokens that are not a multiple of 77, ...).
+
+    Sizes a component does not see (a text encoder's image size) are the model's default size,
+    so that one engine of that component serves every image size.
+    """
+    from sd_accel.components import vae_scale_factor
+
+    dims = _call_dims(spec, feed)
+    if dims is None:
+        return None
+    scale = vae_scale_factor(spec.pipe)
+    unet = getattr(spec.pipe, "unet", None)
+    default = int(getattr(getattr(unet, "config", None), "sample_size", 64) or 64) * scale
+    height = dims.get("H") or dims.get("H8", 0) * scale or default
+    width = dims.get("W") or dims.get("W8", 0) * scale or default
+    tokens = dims.get("T", TOKEN_CHUNK)
+    if "B2" in dims:  # the UNet: a static profile of batch b serves 2b rows
+        rows = dims["B2"]
+        batches = [(rows // 2,) * 3] if rows % 2 == 0 else []
+        batches.append((1, 1, max(2, math.ceil(rows / 2))))
+    else:
+        batches = [(dims.get("B", 1),) * 3]
+    for batch in batches:
+        try:
+            profile = Profile(batch=batch, height=height, width=width, tokens=tokens)
+        except ValueError:
+            return None
+        if covers(spec.shape_ranges(profile), feed):
+            return profile
+    return None
+
+
+class AutoBuilder:
+    """Builds, for a call no engine covers, a static engine of that call's shape (see the module doc).
+
+    ``progress``: True for tqdm bars, False for none, or a callable taking
+    :class:`sd_accel.build.BuildEvent`. ``on_built(component)`` runs after each new engine
+    (the swap parks the torch weights then).
+    """
+
+    def __init__(self, pipe, cache, backend, precision: str, progress: bool | Callable[[Any], None] = True,
+                 validate: bool = True) -> None:
+        self._pipe = weakref.ref(pipe)
+        self.cache = cache
+        self.backend = backend
+        self.precision = precision
+        self.progress = progress
+        self.validate = validate
+        # Failed shapes live on the pipeline: accelerating it again must not retry them.
+        self.failed: dict[tuple, str] = pipe.__dict__.setdefault("_sd_accel_failed_builds", {})
+        self.on_built: Callable[[str], None] | None = None
+
+    def __call__(self, engines: ComponentEngines, feed: dict[str, torch.Tensor]) -> EngineHandle | str:
+        key = (self.backend.name, self.precision, *_shape_key(engines.component, feed))
+        if key in self.failed:
+            return self.failed[key]
+        got = ", ".join(f"{k}={tuple(v.shape)}" for k, v in feed.items())
+        try:
+            handle = self._build(engines.component, feed)
+        except Exception as exc:  # a failed build must not end the image; interrupts do
+            reason = f"no engine covers {got}, and building one failed: {_text(exc)}"
+            self.failed[key] = reason
+            engines.stats.build_failed(reason)
+            log.error("%s: %s; calls of this shape run torch for the rest of this process",
+                      engines.component, reason)
+            return reason
+        engines.handles.append(handle)
+        engines.stats.built(handle.name)
+        if self.on_built is not None:
+            self.on_built(engines.component)
+        return handle
+
+    def _build(self, component: str, feed: dict[str, torch.Tensor]) -> EngineHandle:
+        from sd_accel.build import _reporter, build_one, make_tick
+        from sd_accel.components import specs_for
+        from sd_accel.runtime.swap import torch_modules
+
+        pipe = self._pipe()
+        if pipe is None:
+            raise EngineError("the pipeline these engines were swapped into is gone")
+        info = self.backend.info()
+        report = _reporter(self.progress)
+        start = time.perf_counter()
+        with torch_modules(pipe):  # export and validation need the torch modules in the pipeline
+            spec = specs_for(pipe).get(component)
+            if spec is None:
+                raise EngineError(f"this pipeline has no {component} that engines can serve")
+            profile = profile_for_call(spec, feed)
+            if profile is None:
+                raise EngineError("no engine profile describes this call's shapes")
+            log.warning("%s: no engine covers this call; building one (%s, %s, %s) first: engines='auto', "
+                        "once per shape, cached", component, self.backend.name, self.precision, profile.tag)
+            tick = make_tick(report, None, 0, 1, component, profile.tag)
+            try:
+                record = build_one(self.cache, self.backend, info, spec, profile, self.precision, tick, self.validate)
+            finally:
+                report(None)
+        handle = EngineHandle(record, self.backend, self.cache, info.arch, info.version)
+        if not covers(handle.shapes, feed):
+            raise EngineError(f"the engine built ({record.key.name}) does not cover the call")
+        log.warning("%s: engine %s ready after %.1f s", component, record.key.name, time.perf_counter() - start)
+        return handle

@@ -1,0 +1,321 @@
+"""Torch weights of engine-served modules, kept out of resident memory while engines serve the calls.
+
+An engine-backed stand-in keeps its torch module for the fallback, for ``config``/``dtype``/
+``device`` and for whatever else reads the module (export, fingerprints, ``save_pretrained``).
+Those weights resident beside the engine doubled the memory of a generation. :func:`park` makes
+them cost nothing until used, while the module stays a normal torch module on the CPU with its
+real weights (``dtype``, ``device``, ``config``, fingerprints, ``unswap``/``torch_modules``,
+``save_pretrained`` all work unchanged):
+
+- weights memory-mapped from a file (diffusers and transformers map ``.safetensors`` files
+  as they load them) stay where they are; only their resident pages are handed back
+  (``MADV_PAGEOUT``: data-safe, clean file pages are simply read again when used);
+- weights in anonymous memory (a single-file checkpoint converted at load, a dtype change, an
+  edit) are written once to a private spill file, and the tensors point at a copy-on-write
+  memory map of it (``MAP_PRIVATE``), so the anonymous copy is freed.
+
+A fallback (or an export, a validation) pages the weights in again, said once per module by the
+stand-in; those pages are file-backed, so the kernel may drop them under pressure, and
+:func:`release` drops them on purpose. An in-place edit (a LoRA fused, ``load_state_dict``)
+writes private copies of the touched pages and never reaches a file.
+
+Why not the meta device and a reload from the model source? Only pipelines loaded by
+``load_pipeline`` know a source, and it reproduces the weights only if nobody changed them since
+(dtype conversions, fused LoRAs, edits): a fallback would need a check and could still fail
+mid-image. Why not a spill file kept in the cache? It doubles the disk of every model, and most
+weights are already memory-mapped from their own file. The spill file lives under the engine
+cache's ``.spill/`` folder (a real disk, where ``/tmp`` may be RAM), and on POSIX it is unlinked
+as soon as it is mapped: nothing is left behind, even after a crash; its disk space returns when
+the process ends.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sd_accel.units import format_size
+
+log = logging.getLogger("sd_accel")
+
+SPILL_DIR = ".spill"  # under the engine cache root; never an engine folder name
+_ALIGN = 4096  # each spilled storage starts on a page: page-outs and SIMD loads both like it
+_SPACE_MARGIN = 1 << 30  # leave this much of the disk free
+_ATTR = "_sd_accel_parked"
+# MADV_PAGEOUT (Linux >= 5.4): reclaim a range; anonymous pages go to swap (or stay), clean file
+# pages are dropped, dirty ones written back. Never loses data, unlike MADV_DONTNEED.
+_MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform.startswith("linux") else None)
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass
+class ParkedWeights:
+    """Where one parked module's weights live."""
+
+    mapped_bytes: int  # left memory-mapped from their own files
+    spilled_bytes: int  # written to the spill file
+    path: Path | None  # the spill file (already unlinked on POSIX), None when nothing was spilled
+    mapping: mmap.mmap | None
+    signature: tuple  # the module's tensors right after parking (see :func:`_signature`)
+
+    def describe(self) -> str:
+        parts = []
+        if self.mapped_bytes:
+            parts.append(f"{format_size(self.mapped_bytes)} memory-mapped from the model files")
+        if self.spilled_bytes:
+            parts.append(f"{format_size(self.spilled_bytes)} from the spill file {self.path}")
+        return ", ".join(parts) or "no weights"
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer once (tied ones are one object)."""
+    seen: dict[int, torch.Tensor] = {}
+    for _, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+        if t is not None:
+            seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def _signature(module: torch.nn.Module) -> tuple:
+    """Which tensors the module holds, where their data lives and their in-place edit counters."""
+    return tuple((id(t), t.data_ptr(), t._version) for t in _tensors(module))
+
+
+def parked(module: torch.nn.Module) -> ParkedWeights | None:
+    """How ``module``'s weights were parked, or None (never, or edited or moved since)."""
+    got = module.__dict__.get(_ATTR)
+    if got is not None and got.signature != _signature(module):
+        del module.__dict__[_ATTR]  # a spill map lives on only while tensors still use it
+        return None
+    return got
+
+
+# --------------------------------------------------------------------------- file-backed memory
+
+
+class FileMaps:
+    """The file-backed mappings of this process (``/proc/self/maps``; none where it is absent)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        try:
+            with open("/proc/self/maps") as fh:
+                lines = fh.read().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or parts[4] == "0" or parts[5].startswith("["):
+                continue  # anonymous, heap, stack
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if self.ends and lo == self.ends[-1]:
+                self.ends[-1] = hi  # one file mapped as adjacent pieces
+            else:
+                self.starts.append(lo)
+                self.ends.append(hi)
+
+    def holds(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies in one file-backed mapping."""
+        i = bisect.bisect_right(self.starts, ptr) - 1
+        return i >= 0 and ptr + nbytes <= self.ends[i]
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc() if _MADV_PAGEOUT is not None else None
+
+
+def _page_out(ptr: int, nbytes: int) -> int:
+    """Hand back the whole pages of a file-backed range; the bytes advised (0 if unsupported)."""
+    if _LIBC is None:
+        return 0
+    lo = (ptr + _PAGE - 1) // _PAGE * _PAGE
+    hi = (ptr + nbytes) // _PAGE * _PAGE
+    if hi <= lo or _LIBC.madvise(lo, hi - lo, _MADV_PAGEOUT) != 0:
+        return 0
+    return hi - lo
+
+
+class PageDropper:
+    """``dropper(tensor)``: hand back the resident pages of ``tensor``'s storage if it is
+    memory-mapped from a file (anonymous memory is never touched). For hashing a model one
+    tensor at a time without leaving it all resident."""
+
+    def __init__(self) -> None:
+        self.maps = FileMaps()
+        self.dropped = 0
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            return
+        storage = tensor.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes and self.maps.holds(ptr, nbytes):
+            self.dropped += _page_out(ptr, nbytes)
+
+
+def release(module: torch.nn.Module) -> int:
+    """Hand back the resident pages of ``module``'s file-backed weights (after a fallback, an
+    export or a validation paged them in); they load again from their files when used. Returns
+    the bytes advised. Data-safe: pages written in place are kept."""
+    dropper = PageDropper()
+    for storage in _storages(_tensors(module)).values():
+        if storage.nbytes() and dropper.maps.holds(storage.data_ptr(), storage.nbytes()):
+            dropper.dropped += _page_out(storage.data_ptr(), storage.nbytes())
+    return dropper.dropped
+
+
+# --------------------------------------------------------------------------- parking
+
+
+def _why_not(module: torch.nn.Module, tensors: list[torch.Tensor]) -> str | None:
+    if not tensors:
+        return "it has no weights"
+    if any(hasattr(m, "_hf_hook") for m in module.modules()):
+        return "it is managed by accelerate's offload hooks"
+    for t in tensors:
+        if t.device.type != "cpu":
+            return f"its weights are on {t.device}, not the CPU"
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_quantized or t.layout != torch.strided:
+            return f"it holds a {type(t).__name__} tensor ({t.layout}) that cannot be memory-mapped"
+    return None
+
+
+def _storages(tensors: list[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    out: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        out.setdefault(storage.data_ptr(), storage)
+    return out
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> memoryview:
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    return memoryview(flat.numpy())
+
+
+def _padded(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def park(module: torch.nn.Module, folder: Path | str, label: str = "module") -> ParkedWeights | None:
+    """Make ``module``'s weights cost no resident memory until used (see the module docstring).
+
+    ``folder``: where a spill file may go (under ``folder/.spill``). Returns how they were
+    parked (also kept on the module), or None, with the reason logged, when the module cannot be
+    (not on the CPU, offload hooks, odd tensors, too little disk for its anonymous weights). A
+    module parked and unchanged since is only paged out again. Values never change: the module
+    computes exactly what it did, and its cached fingerprint stays valid.
+    """
+    from sd_accel.onnx.fingerprint import cached_fingerprint, remember_fingerprint
+
+    done = parked(module)
+    if done is not None:
+        release(module)
+        return done
+    tensors = _tensors(module)
+    why = _why_not(module, tensors)
+    if why is not None:
+        log.info("%s: torch weights stay in RAM beside the engines: %s", label, why)
+        return None
+    maps = FileMaps()
+    storages = _storages(tensors)
+    anonymous = {p: s for p, s in storages.items() if s.nbytes() and not maps.holds(p, s.nbytes())}
+    mapped = sum(s.nbytes() for p, s in storages.items() if p not in anonymous)
+    path = mapping = None
+    spilled = 0
+    if anonymous:
+        fingerprint = cached_fingerprint(module)
+        try:
+            path, mapping, spilled = _spill(module, tensors, anonymous, Path(folder) / SPILL_DIR, label)
+        except OSError as exc:
+            log.warning("%s: torch weights stay in RAM beside the engines: %s", label, exc)
+            return None
+        anonymous.clear()
+        storages = {}
+        _trim_heap()
+        if fingerprint is not None:
+            remember_fingerprint(module, fingerprint)  # same values, new addresses: no rehash
+    result = ParkedWeights(mapped, spilled, path, mapping, _signature(module))
+    object.__setattr__(module, _ATTR, result)
+    release(module)
+    log.info("%s: torch weights parked (%s); they load on the first fallback", label, result.describe())
+    return result
+
+
+def _spill(module: torch.nn.Module, tensors: list[torch.Tensor], anonymous: dict[int, torch.UntypedStorage],
+           folder: Path, label: str) -> tuple[Path, mmap.mmap, int]:
+    """Write the anonymous storages to a spill file, map it, point their tensors at the map."""
+    total = sum(_padded(s.nbytes()) for s in anonymous.values())
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < total + _SPACE_MARGIN:
+        raise OSError(f"{folder} has {format_size(free)} free and the weights need {format_size(total)}")
+    fd, name = tempfile.mkstemp(prefix=f"{label}-{os.getpid()}-", suffix=".weights", dir=folder)
+    path = Path(name)
+    offsets: dict[int, int] = {}
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            pos = 0
+            for ptr, storage in anonymous.items():
+                offsets[ptr] = pos
+                data = _bytes_of(storage)
+                fh.write(data)
+                pad = _padded(len(data)) - len(data)
+                if pad:
+                    fh.write(b"\0" * pad)
+                pos += len(data) + pad
+        mapping = _map(path, total)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    base = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+    with torch.no_grad():
+        for t in tensors:
+            start = offsets.get(t.untyped_storage().data_ptr())
+            if start is None:
+                continue  # file-backed already: left where it is
+            size = t.element_size()
+            t.data = torch.empty(0, dtype=t.dtype).set_(base, start // size + t.storage_offset(), t.shape, t.stride())
+    return path, mapping, total
+
+
+def _map(path: Path, total: int) -> mmap.mmap:
+    with open(path, "r+b") as fh:
+        # ACCESS_COPY: a private copy-on-write map, writable (torch tensors may be edited in
+        # place) without ever writing back to the file.
+        mapping = mmap.mmap(fh.fileno(), total, access=mmap.ACCESS_COPY)
+    try:
+        path.unlink()  # POSIX: the map keeps the data; nothing is left behind
+    except OSError:  # Windows cannot unlink a mapped file: remove it once the map is gone
+        weakref.finalize(mapping, lambda p=path: p.unlink(missing_ok=True))
+    return mapping
+
+
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it otherwise; smaller weights live there)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
