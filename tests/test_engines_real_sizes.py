@@ -87,10 +87,6 @@ def run(*args) -> dict:
     finally:
         if proc.poll() is None:
             proc.kill()
-    if args[0] == "build" and (peak > BUILD_CAP_GB or "protobuf" in err.lower()) and args[3] == "onnxruntime":
-        # issue 12.1: ONNX Runtime's optimized model of a UNet at a fixed size folds gigabytes of
-        # constants; the engines work fixes it, and then this runs.
-        pytest.xfail(f"onnxruntime cannot build at {args[2]} px yet (optimized model blows up: issue 12.1)")
     assert peak <= BUILD_CAP_GB or args[0] != "build", f"the build passed {BUILD_CAP_GB} GB and was stopped"
     assert proc.returncode == 0, err[-4000:]
     return json.loads(out.strip().splitlines()[-1])
