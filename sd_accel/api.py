@@ -90,9 +90,13 @@ def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
     cache = EngineCache(config.engine_dir)
     backend = get_backend(config.backend, cache_root=cache.root)
     auto = config.engines == "auto"
+    builder = None
+    if auto:
+        from sd_accel.autobuild import AutoBuilder
+
+        builder = AutoBuilder(pipe, cache, backend, _build_precision(backend, config.engine_precision))
     found = swap_engines(pipe, cache, backend, fallback=config.engine_fallback,
-                         prefer_precision=config.engine_precision, build=auto,
-                         build_precision=_build_precision(backend, config.engine_precision) if auto else None)
+                         prefer_precision=config.engine_precision, builder=builder)
     if auto:
         log.info("engines='auto': %s engines found in %s; a call none covers builds one first",
                  sum(found.values()), cache.root)

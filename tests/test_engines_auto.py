@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sd_accel import AccelConfig, EngineCache, accelerate, load_pipeline, stats
+from sd_accel.autobuild import profile_for_call
 from sd_accel.core import EngineError, InvalidValue
-from sd_accel.runtime.autobuild import profile_for_call
 from sd_accel.runtime.swap import set_build_progress
 
 
@@ -119,7 +119,7 @@ def test_out_of_memory_during_infer_leaves_the_engine_ok(first_run, monkeypatch)
 
 @pytest.mark.slow
 def test_a_failed_build_is_remembered_and_runs_torch(tmp_path, monkeypatch):
-    import sd_accel.build as build
+    import sd_accel.autobuild as autobuild
 
     calls = []
 
@@ -127,7 +127,7 @@ def test_a_failed_build_is_remembered_and_runs_torch(tmp_path, monkeypatch):
         calls.append(spec.name)
         raise EngineError("the backend ran out of patience")
 
-    monkeypatch.setattr(build, "build_one", failing)
+    monkeypatch.setattr(autobuild, "build_one", failing)
     pipe = auto_pipe(tmp_path)
     generate(pipe)
     generate(pipe)

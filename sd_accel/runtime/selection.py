@@ -48,7 +48,8 @@ def out_of_memory(exc: BaseException) -> bool:
     return False
 
 
-def _text(exc: BaseException, limit: int = 240) -> str:
+def reason_text(exc: BaseException, limit: int = 240) -> str:
+    """One line saying why a call or a build failed, for stats and logs."""
     text = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -67,10 +68,10 @@ def classify(exc: Exception, stage: str) -> tuple[str, str]:
     ('fault', 'skip')
     """
     if out_of_memory(exc):
-        return "oom", f"out of memory ({_text(exc)})"
+        return "oom", f"out of memory ({reason_text(exc)})"
     if stage == "load" or isinstance(exc, EngineFault):
-        return "fault", _text(exc)
-    return "skip", _text(exc)
+        return "fault", reason_text(exc)
+    return "skip", reason_text(exc)
 
 
 def _shape_tuple(shapes) -> ShapeRanges:
@@ -132,7 +133,7 @@ class ComponentEngines:
         self.stats = ComponentStats()
         self.model: str | None = None  # the weights id the engines were found for (engines_for sets it)
         # engines="auto": called with (self, feed) when no engine covers a call; returns a new
-        # handle that covers it, or the reason the call runs torch (see runtime.autobuild).
+        # handle that covers it, or the reason the call runs torch (see sd_accel.autobuild).
         self.builder: Callable[[ComponentEngines, dict[str, torch.Tensor]], EngineHandle | str] | None = None
 
     def set_fallback(self, allowed: bool) -> None:

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-from sd_accel.runtime.autobuild import AutoBuilder
 from sd_accel.runtime.loader import engines_for
 from sd_accel.runtime.modules import EngineModule, EngineTextEncoder, EngineUNet, EngineVAE
 from sd_accel.runtime.selection import ComponentEngines
@@ -51,20 +50,19 @@ def torch_modules(pipe):
 
 
 def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: str | None = None, *,
-                 build: bool = False, build_precision: str | None = None,
-                 progress: bool | Callable[[Any], None] = True, park_weights: bool = True) -> dict[str, int]:
+                 builder: Callable[[ComponentEngines, dict], Any] | None = None,
+                 park_weights: bool = True) -> dict[str, int]:
     """Replace each module that has engines in ``cache`` with its engine-backed stand-in.
     ``prefer_precision``: engines of that precision are tried first (``AccelConfig.engine_precision``).
 
-    ``build`` (``engines="auto"``): every module engines can serve is swapped, with or without
-    engines, and a call no engine covers builds one for its shape in ``build_precision``
-    (default: the backend's) first (see :mod:`sd_accel.runtime.autobuild`; ``progress`` as for
-    ``build_engines``). ``park_weights``: the torch weights of a module served by engines cost
+    ``builder`` (``engines="auto"``: an :class:`sd_accel.autobuild.AutoBuilder`): every module
+    engines can serve is swapped, with or without engines, and a call no engine covers asks the
+    builder for an engine of its shape first. ``park_weights``: the torch weights of a module served by engines cost
     no resident memory until a fallback uses them (memory-mapped from their files or a spill
     file: :mod:`sd_accel.runtime.weights`), and hashing the modules leaves none resident.
 
     Returns how many usable engines each component got. Components without engines stay torch
-    (unless ``build``); engines of another arch or backend version are never loaded, and the
+    (unless ``builder``); engines of another arch or backend version are never loaded, and the
     log says why.
     """
     from sd_accel.components import specs_for
@@ -72,9 +70,7 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
 
     unswap(pipe)
     specs = specs_for(pipe)
-    builder = None
-    if build:
-        builder = AutoBuilder(pipe, cache, backend, build_precision or backend.default_precision(), progress)
+    if builder is not None:
         builder.on_built = lambda component: _after_build(pipe, component, cache, park_weights)
     found: dict[str, int] = {}
     for slot, components in SLOTS.items():
@@ -99,7 +95,7 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         if served and park_weights:
             park(module, cache.root, slot)
     _guard_save(pipe)
-    log.info("engines swapped in: %s%s", found, " (more are built on first use)" if build else "")
+    log.info("engines swapped in: %s%s", found, " (more are built on first use)" if builder is not None else "")
     return found
 
 

@@ -156,6 +156,9 @@ class OnnxRuntimeBackend:
 
         # The file is already optimized: skipping the optimizers again makes loading fast.
         opts = session_options(optimize=False)
+        # The CPU arena keeps its high-water mark (grown in powers of two) for the session's life:
+        # at 1024 px that held more than torch's whole peak. Plain allocations hand it back.
+        opts.enable_cpu_mem_arena = False
         try:
             session = ort.InferenceSession(str(engine_dir / ENGINE_FILE), opts, providers=_providers(self.device))
         except Exception as exc:

@@ -1,7 +1,9 @@
 """``engines="auto"``: a call no engine covers gets an engine built for its shape, then runs on it.
 
 :class:`AutoBuilder` is the ``builder`` of every :class:`~sd_accel.runtime.selection.ComponentEngines`
-of a pipeline swapped with ``build=True``. On a call no engine covers it works out the static
+of a pipeline swapped with ``builder=`` (:func:`sd_accel.runtime.swap_engines`; ``accelerate``
+makes one for ``engines="auto"``). It sits above the runtime, which only calls it, because it
+builds. On a call no engine covers it works out the static
 profile of that call (its batch, height, width and tokens), builds the engine the usual way
 (:func:`sd_accel.build.build_one`: ONNX export, backend build, validation against torch, the
 cache), and hands it to the call. Each shape is built at most once: a failed build is remembered
@@ -24,9 +26,12 @@ from typing import Any
 
 import torch
 
+from sd_accel.build import _reporter, build_one, make_tick
+from sd_accel.components import specs_for
 from sd_accel.core import EngineError, covers
 from sd_accel.profiles import TOKEN_CHUNK, Profile
-from sd_accel.runtime.selection import ComponentEngines, EngineHandle, _text
+from sd_accel.runtime.selection import ComponentEngines, EngineHandle, reason_text
+from sd_accel.runtime.swap import torch_modules
 
 log = logging.getLogger("sd_accel")
 
@@ -114,7 +119,7 @@ class AutoBuilder:
         try:
             handle = self._build(engines.component, feed)
         except Exception as exc:  # a failed build must not end the image; interrupts do
-            reason = f"no engine covers {got}, and building one failed: {_text(exc)}"
+            reason = f"no engine covers {got}, and building one failed: {reason_text(exc)}"
             self.failed[key] = reason
             engines.stats.build_failed(reason)
             log.error("%s: %s; calls of this shape run torch for the rest of this process",
@@ -127,9 +132,6 @@ class AutoBuilder:
         return handle
 
     def _build(self, component: str, feed: dict[str, torch.Tensor]) -> EngineHandle:
-        from sd_accel.build import _reporter, build_one, make_tick
-        from sd_accel.components import specs_for
-        from sd_accel.runtime.swap import torch_modules
 
         pipe = self._pipe()
         if pipe is None:
