@@ -25,17 +25,20 @@ LONG_PROMPT = " ".join(["word"] * 100)
 
 
 @pytest.fixture(autouse=True)
-def _lean(monkeypatch):
+def _lean(monkeypatch, caplog):
     monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    logger = logging.getLogger("sd_accel")  # its WebUI console handler does not propagate
+    logger.addHandler(caplog.handler)
     yield
+    logger.removeHandler(caplog.handler)
     harness.purge()
 
 
-def _job_counts():
+def _job_counts(component: str = "ldm_unet"):
     from sd_accel.webui.controller import controller
 
-    engines = controller().loaded()
+    engines = controller().loaded(component)
     return sum(e.stats.engine_calls for e in engines), sum(e.stats.torch_calls for e in engines)
 
 
@@ -63,16 +66,28 @@ def test_forge_job_with_chunks_hires_and_fallback(tmp_path, caplog, capsys):
     def run(free, **kw):
         memory_management.FREE_MEMORY = free
         sampling_function.calls.clear()
-        return webui.txt2img(**kw).samples
+        out = webui.txt2img(**kw)
+        run.images = out.images
+        return out.samples
 
-    webui.shared.opts.data["sd_accel_forge_enabled"] = False
-    reference = {name: run(free, **kw) for name, (kw, free) in jobs.items()}
-    webui.shared.opts.data["sd_accel_forge_enabled"] = True
+    def engines_on(on: bool) -> None:
+        webui.shared.opts.data["sd_accel_forge_enabled"] = on
+        webui.shared.opts.data["sd_accel_vae_clip_enabled"] = on
+
+    engines_on(False)
+    reference = {}
+    for name, (kw, free) in jobs.items():
+        reference[name] = (run(free, **kw), run.images)
+    engines_on(True)
     for name, (kw, free) in jobs.items():
         got = run(free, **kw)
         engine, torch_calls = _job_counts()
         assert torch_calls == 0, name
-        torch.testing.assert_close(got, reference[name], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(got, reference[name][0], atol=2e-3, rtol=2e-3)
+        # Forge's VAE (its patcher decodes through first_stage_model.decoder) and CLIP on engines.
+        assert _job_counts("ldm_vae_decoder") == (kw.get("batch_size", 1), 0), name
+        assert _job_counts("ldm_clip")[1] == 0 and _job_counts("ldm_clip")[0] >= 2, name
+        torch.testing.assert_close(run.images, reference[name][1], atol=2e-3, rtol=2e-3)
         if name.startswith("batch 3 packed"):
             assert {c[0] for c in sampling_function.calls} == {6}  # Forge packed all rows in one call
             assert engine == 2 * len(sampling_function.calls)  # each cut into 4 + 2
@@ -90,7 +105,7 @@ def test_forge_job_with_chunks_hires_and_fallback(tmp_path, caplog, capsys):
     with caplog.at_level(logging.WARNING, logger="sd_accel"):
         run(1 << 40, prompt="a cat", steps=3, width=128, height=128)
     assert _job_counts() == (0, 3)
-    assert sum("running torch for this call" in r.getMessage() for r in caplog.records) == 1
+    assert sum("ldm_unet: running torch for this call" in r.getMessage() for r in caplog.records) == 1
     assert "0 on engines, 3 in PyTorch" in capsys.readouterr().out
 
     # A LoRA the engines were not built with: the job stays on Forge's UNet and says why.
@@ -105,6 +120,7 @@ def test_forge_job_with_chunks_hires_and_fallback(tmp_path, caplog, capsys):
     stand_in = EngineDiffusionModel(unet, engines)
     x, t, ctx = torch.randn(2, 4, 8, 8), torch.tensor([10.0, 10.0]), torch.randn(2, 77, 64)
     engines.reset_stats()
-    stand_in(x, t, context=ctx, transformer_options={"patches": {"attn2_patch": [print]}})
+    with torch.no_grad():  # Forge samples without autograd (its weights are inference tensors)
+        stand_in(x, t, context=ctx, transformer_options={"patches": {"attn2_patch": [print]}})
     assert engines.stats.torch_calls == 1 and "attn2_patch" in next(iter(engines.stats.fallbacks))
     assert stand_in.model_channels == unet.model_channels  # attributes read through to Forge's UNet
