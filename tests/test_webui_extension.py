@@ -136,6 +136,54 @@ def test_install_never_touches_the_webuis_own_packages(tmp_path, monkeypatch, ca
     assert install.tensorrt_requirements()[0] == []
 
 
+def test_install_keeps_the_webuis_exact_pins_and_adds_openvino_on_cpu(tmp_path, monkeypatch, capsys):
+    install = _install_module()
+    # Every exact pin of the WebUI's requirements file, at what is installed (launch_utils'
+    # requirements_met reinstalls everything when one moved): protobuf too, exactly.
+    reqs = tmp_path / "requirements_versions.txt"
+    reqs.write_text("setuptools==69.5.1  # temp fix\nprotobuf==3.20.0\ntorch\nPillow==9.5.0\n\n")
+    assert install.webui_pins(reqs) == ["setuptools", "protobuf", "Pillow"]
+    real_version = install.installed_version
+    fake = {"protobuf": "3.20.0", "pillow": "9.5.0", "setuptools": "69.5.1"}
+    monkeypatch.setattr(install, "installed_version", lambda d: fake.get(d.lower(), real_version(d)))
+    pins = install.constraints(requirements_file=reqs)
+    assert "protobuf==3.20.0" in pins and "Pillow==9.5.0" in pins and "setuptools==69.5.1" in pins
+    assert not [p for p in pins if p.startswith("protobuf>")]  # no "may move within its major" any more
+    # OpenVINO on a CPU build of torch (or a WebUI told to compute on the CPU), not on CUDA.
+    monkeypatch.setattr(install, "installed_version", lambda d: None if d == "openvino" else real_version(d))
+    monkeypatch.setattr(install, "torch_cuda_major", lambda: None)
+    assert install.openvino_requirements()[0] == ["openvino>=2024.0"]
+    monkeypatch.setattr(install, "torch_cuda_major", lambda: "12")
+    assert install.openvino_requirements()[0] == []
+    monkeypatch.setenv("COMMANDLINE_ARGS", "--api --always-cpu")
+    assert install.openvino_requirements()[0] == ["openvino>=2024.0"]
+    monkeypatch.setenv("SD_ACCEL_INSTALL_OPENVINO", "0")
+    assert install.openvino_requirements()[0] == []
+
+    # A package pip cannot install under the pins (onnx wants protobuf >= 3.20.2, Forge pins
+    # 3.20.0): installed once more without its dependencies, kept because it imports.
+    commands = []
+
+    def run_pip(command, desc=None, live=False):
+        commands.append(command)
+        if command.startswith("install ") and "--no-deps" not in command:
+            raise RuntimeError("ERROR: ResolutionImpossible: protobuf==3.20.0 (from constraints)")
+        return ""
+
+    launch = type("Launch", (), {"run_pip": staticmethod(run_pip)})
+    constraints_file = tmp_path / "c.txt"
+    constraints_file.write_text("protobuf==3.20.0\n")
+    assert install.install_pinned(launch, "onnx>=1.16", "onnx for sd-accel", constraints_file) is True
+    assert [c.split(" -c ")[0] for c in commands] == ['install "onnx>=1.16"', 'install --no-deps "onnx>=1.16"']
+    assert all(" -c " in c for c in commands)
+    # One that then does not import is removed again, and the console says so.
+    commands.clear()
+    assert install.install_pinned(launch, "no-such-module-xyz>=1", "x", constraints_file) is False
+    assert commands[-1] == 'uninstall -y "no-such-module-xyz"'
+    out = capsys.readouterr().out
+    assert "does not work with the WebUI's pinned packages" in out and "removing it again" in out
+
+
 # --------------------------------------------------------------------------- a whole job
 
 
