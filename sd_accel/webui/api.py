@@ -26,6 +26,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 from sd_accel.runtime import refusal
+from sd_accel.webui.console import say
 from sd_accel.webui.controller import Controller, controller
 
 log = logging.getLogger("sd_accel")
@@ -87,8 +88,8 @@ def register(app: FastAPI, ctl: Controller | None = None) -> bool:
     """Add the routes to ``app`` (the WebUI's FastAPI app) when the WebUI serves its API; True if added."""
     dependencies = webui_api_dependencies(app)
     if dependencies is None:
-        print("sd-accel: HTTP routes off: the WebUI serves no API (start it with --api to get "
-              f"{PREFIX}/*, under the same --api-auth as /sdapi/v1)")
+        say("HTTP routes off: the WebUI serves no API (start it with --api to get "
+            f"{PREFIX}/*, under the same --api-auth as /sdapi/v1)")
         return False
     ctl = ctl or controller()
 
@@ -119,18 +120,16 @@ def register(app: FastAPI, ctl: Controller | None = None) -> bool:
                                            precision=body.precision, ctl=ctl, skipped=not_built,
                                            progress=console_progress("API build"))
         except BuildRefused as exc:
-            print(f"sd-accel: build refused ({exc.status}): {exc}")
+            say(f"build refused ({exc.status}): {exc}")
             raise HTTPException(status_code=exc.status, detail=str(exc)) from exc
         except BuildCancelled as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
         except Exception as exc:  # a bad profile, an unusable backend, a failed export or build
-            print(f"sd-accel: build failed:\n{traceback.format_exc()}")
+            say(f"build failed:\n{traceback.format_exc()}")
             # sd-accel's own errors say what to do (a bad request, a failed validation): 400;
             # anything else is a bug or the host's failure: 500. The message reaches the client.
             status = 400 if isinstance(exc, (ValueError, SdAccelError)) else 500
             raise HTTPException(status_code=status, detail=f"build failed: {type(exc).__name__}: {exc}") from exc
-        from sd_accel.webui.console import say
-
         say(f"API build done: {len(records)} engine(s)" + (f"; not built: {'; '.join(not_built)}" if not_built else ""))
         return {"built": [engine_json(r) for r in records], "not_built": not_built}
 
@@ -152,5 +151,5 @@ def register(app: FastAPI, ctl: Controller | None = None) -> bool:
     app.add_api_route(f"{PREFIX}/build", build, methods=["POST"], dependencies=dependencies)
     app.add_api_route(PREFIX + "/engines/{name}", delete_engine, methods=["DELETE"], dependencies=dependencies)
     auth = "the WebUI's --api-auth" if dependencies else "no auth (as /sdapi/v1: the WebUI has no --api-auth)"
-    print(f"sd-accel: HTTP routes {PREFIX}/engines, {PREFIX}/build added, with {auth}")
+    say(f"HTTP routes {PREFIX}/engines, {PREFIX}/build added, with {auth}")
     return True

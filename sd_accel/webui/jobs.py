@@ -28,7 +28,9 @@ def never_raise(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except Exception:
-            print(f"sd-accel: {fn.__name__} failed; this job continues without it:\n{traceback.format_exc()}")
+            from sd_accel.webui.console import say
+
+            say(f"{fn.__name__} failed; this job continues without it:\n{traceback.format_exc()}")
             return None
 
     return wrapper
