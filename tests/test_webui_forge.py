@@ -111,6 +111,7 @@ def test_forge_job_with_chunks_hires_and_fallback(tmp_path, caplog, capsys):
     # A LoRA the engines were not built with: the job stays on Forge's UNet and says why.
     run(1 << 40, prompt="a cat <lora:film:1>", steps=1)
     assert "no engine for this checkpoint with film (1)" in capsys.readouterr().out
+    assert _job_counts("ldm_clip") == (0, 0)  # the LoRA is in Forge's CLIP too: PyTorch encodes
 
     # ControlNet residuals or other extensions' UNet patches: that call runs in PyTorch.
     unet = webui.shared.sd_model.forge_objects.unet.model.diffusion_model

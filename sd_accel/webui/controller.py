@@ -206,7 +206,7 @@ class Controller:
         if ckpt is None:
             return None
         if component == CLIP:
-            return clip_id(ckpt, self.job.te_loras or (), host.additional_modules())
+            return clip_id(ckpt, self._text_loras(model), host.additional_modules())
         return vae_id(ckpt, host.loaded_vae_hash(), host.additional_modules())
 
     def wanted_weights(self, model=None) -> str | None:
@@ -216,6 +216,17 @@ class Controller:
         if ckpt is None:
             return None
         return weights_id(ckpt, self.job.loras or ())
+
+    def _text_loras(self, model) -> LoraSet:
+        """The LoRAs in the text encoder's weights now: Forge's CLIP patcher carries them (as its
+        UNet patcher does for the UNet); on A1111 the job's tags say (text-encoder strengths)."""
+        from sd_accel.webui.identity import forge_loras
+
+        clip = getattr(getattr(model, "forge_objects", None), "clip", None)
+        patcher = getattr(clip, "patcher", None)
+        if patcher is not None:
+            return forge_loras(patcher)
+        return self.job.te_loras or ()
 
     def job_finished(self) -> str | None:
         """Print (and return) the job's report, when any call went through us: the UNet's line,

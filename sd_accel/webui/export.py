@@ -176,20 +176,20 @@ def plain_forge_attention(module: torch.nn.Module) -> Iterator[None]:
     VAE ``AttnBlock`` keeps) replaced by plain ones for the block; Forge's own after."""
     import sys
 
-    saved: list[tuple[object, str, object, bool]] = []  # (owner, name, old value, was an instance attr)
+    saved: list[tuple[object, str, object]] = []  # (module or nn.Module, attribute, Forge's value)
     for module_name, attr, plain in _FORGE_ATTENTION:
         owner = sys.modules.get(module_name)
         if owner is not None and callable(getattr(owner, attr, None)):
-            saved.append((owner, attr, getattr(owner, attr), True))
+            saved.append((owner, attr, getattr(owner, attr)))
             setattr(owner, attr, plain)
     for sub in module.modules():
         if type(sub).__name__ == "AttnBlock" and callable(sub.__dict__.get("optimized_attention")):
-            saved.append((sub, "optimized_attention", sub.__dict__["optimized_attention"], True))
+            saved.append((sub, "optimized_attention", sub.__dict__["optimized_attention"]))
             sub.__dict__["optimized_attention"] = plain_spatial_attention
     try:
         yield
     finally:
-        for owner, attr, old, _ in reversed(saved):
+        for owner, attr, old in reversed(saved):
             if isinstance(owner, torch.nn.Module):
                 owner.__dict__[attr] = old
             else:
@@ -320,7 +320,7 @@ def build_jobs(source: ExportSource, components: tuple[str, ...], model, ctl) ->
             clip_patcher = getattr(getattr(getattr(model, "forge_objects", None), "clip", None), "patcher", None)
             te_loras = forge_loras(clip_patcher) if clip_patcher is not None else merged_loras(module, "te")
             saved = ctl.job.te_loras
-            ctl.job.te_loras = te_loras
+            ctl.job.te_loras = te_loras  # A1111: what is merged now (Forge: its patcher, read the same way)
             try:
                 wid = ctl.weights_for(component, model, for_call=False)
             finally:

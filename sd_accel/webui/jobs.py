@@ -71,18 +71,7 @@ def before_sampling(p, **kwargs: Any) -> None:
 
     if host.forge_unet_patcher(p.sd_model) is not None:
         batch_started(p, **kwargs)  # Forge parses extra networks before sampling as well
-        if _forge_text_loras(p) is not None:
-            controller().job.te_loras = _forge_text_loras(p)
         patch_for_sampling(p)
-
-
-def _forge_text_loras(p):
-    """Forge: the LoRAs its CLIP patcher carries (the text encoder's weights), when it has one."""
-    from sd_accel.webui.identity import forge_loras
-
-    clip = getattr(getattr(p.sd_model, "forge_objects", None), "clip", None)
-    patcher = getattr(clip, "patcher", None)
-    return forge_loras(patcher) if patcher is not None else None
 
 
 @never_raise

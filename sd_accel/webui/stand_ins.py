@@ -63,8 +63,8 @@ def find_modules(model=None) -> dict[str, torch.nn.Module]:
 def why_not(component: str) -> str:
     """Why this WebUI's model has no module for ``component`` (for the build's "not built" list)."""
     if component == CLIP:
-        return ("its text encoder is not a transformers CLIPTextModel (Forge 1's, OpenCLIP's): it stays "
-                "in PyTorch")
+        return ("its text encoder is not a transformers CLIPTextModel (an OpenCLIP one, as SD 2.x has): it "
+                "stays in PyTorch")
     return "this model has no LDM VAE there: it stays in PyTorch"
 
 

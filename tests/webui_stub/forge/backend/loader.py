@@ -35,6 +35,11 @@ class CLIP:
         self.cond_stage_model = cond_stage_model
         self.patcher = ModelPatcher(cond_stage_model)
 
+    def clone(self):
+        n = CLIP.__new__(CLIP)
+        n.cond_stage_model, n.patcher = self.cond_stage_model, self.patcher.clone()
+        return n
+
 
 class VAE:
     """``backend/patcher/vae.py``: decodes / encodes through ``first_stage_model`` in batches."""
@@ -97,10 +102,15 @@ def apply_loras(p):
     loras = (p.extra_network_data or {}).get("lora", [])
     if loras:
         unet = model.forge_objects.unet.clone()
+        clip = model.forge_objects.clip.clone() if model.forge_objects.clip is not None else None
         for params in loras:
             strength = float(params.positional[1]) if len(params.positional) > 1 else 1.0
             unet.add_patches(filename=f"/models/Lora/{params.positional[0]}.safetensors", patches={},
                              strength_patch=strength, strength_model=strength)
+            if clip is not None:
+                clip.patcher.add_patches(filename=f"/models/Lora/{params.positional[0]}.safetensors", patches={},
+                                         strength_patch=strength, strength_model=strength)
         model.forge_objects.unet = unet
+        model.forge_objects.clip = clip
     model.forge_objects_after_applying_lora = model.forge_objects.shallow_copy()
     return types.SimpleNamespace(loras=len(loras))
