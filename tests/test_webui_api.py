@@ -75,6 +75,13 @@ def test_no_routes_without_the_webuis_api(tmp_path, capsys):
     assert client.post("/sd-accel/build", json=BAD_PROFILE).status_code in (404, 405)
     assert client.delete("/sd-accel/engines/x").status_code in (404, 405)
     assert "HTTP routes off" in capsys.readouterr().out
+    # A1111's built-in Lora extension adds /sdapi/v1/loras (no auth) in every start, --api or not:
+    # that is not the WebUI's API, and adds no routes of ours.
+    from sd_accel.webui import api
+
+    webui.app.add_api_route("/sdapi/v1/loras", lambda: [], methods=["GET"])
+    assert api.register(webui.app) is False
+    assert client.get("/sd-accel/engines").status_code == 404
     # --nowebui serves the API (and ours with it), no UI.
     harness.purge()
     webui = harness.start(tmp_path / "nowebui", argv=("--nowebui",))

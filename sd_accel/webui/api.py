@@ -33,6 +33,7 @@ log = logging.getLogger("sd_accel")
 
 PREFIX = "/sd-accel"
 SDAPI_PREFIX = "/sdapi/v1/"
+API_OWN_ROUTE = SDAPI_PREFIX + "options"  # added by the WebUI's Api class itself (A1111 1.x, Forge 1 and 2)
 LIST_ROUTE = f"GET {PREFIX}/engines"
 
 
@@ -76,10 +77,13 @@ def engine_json(record, usable: bool | None = None) -> dict[str, Any]:
 
 def webui_api_dependencies(app: FastAPI) -> list | None:
     """The dependencies of the WebUI's own API routes (its ``--api-auth`` check when that is on),
-    or None when the WebUI serves no API (no ``/sdapi/v1`` route on ``app``)."""
+    or None when the WebUI serves no API (no ``/sdapi/v1/options`` route on ``app``).
+
+    Only a route the WebUI's ``Api`` class adds counts: other ``/sdapi/v1`` paths can be there
+    without ``--api`` and without its auth (A1111's built-in Lora extension adds
+    ``/sdapi/v1/loras`` in ``on_app_started`` in every start)."""
     for route in getattr(app, "routes", ()):
-        path = getattr(route, "path", "") or ""
-        if path.startswith(SDAPI_PREFIX) and hasattr(route, "dependencies"):
+        if getattr(route, "path", None) == API_OWN_ROUTE and hasattr(route, "dependencies"):
             return list(route.dependencies)
     return None
 
