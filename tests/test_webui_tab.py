@@ -187,3 +187,36 @@ def test_console_lines_never_glue_onto_a_progress_bar(tmp_path, monkeypatch):
     # The warning is a line of its own: the bar was cleared first, the line ends before the bar redraws.
     line = next(seg for seg in text.replace("\r", "\n").split("\n") if "running torch" in seg)
     assert line == "sd-accel: ldm_unet: running torch for this call: no engine covers x"
+
+
+def test_auto_backend_is_the_fastest_cpu_backend_on_a_cpu_webui(tmp_path, monkeypatch):
+    """Issue 15.8: on a WebUI that computes on the CPU, ``auto`` builds and runs OpenVINO engines
+    (install.py installs it there), then ONNX Runtime; on a GPU WebUI it is the library's ``auto``."""
+    pytest.importorskip("openvino", reason="OpenVINO is not installed in this environment")
+    from types import SimpleNamespace
+
+    from sd_accel.backends import registry
+    from sd_accel.webui import controller as ctl_mod
+    from sd_accel.webui import host
+
+    harness.start(tmp_path, options={"sd_accel_backend": "auto"})  # the settings' default
+    assert host.runs_on_cpu()  # the stand-in runs on CPU torch
+    assert ctl_mod.webui_backend("auto").name == "openvino"
+    assert ctl_mod.controller().backend().name == "openvino"
+    assert ctl_mod.webui_backend("onnxruntime").name == "onnxruntime"  # a named backend is kept
+
+    # OpenVINO unusable (or broken): ONNX Runtime.
+    real_create = registry.create
+
+    def no_openvino(name, cache_root=None):
+        if name == "openvino":
+            return SimpleNamespace(info=lambda: SimpleNamespace(usable=False))
+        return real_create(name, cache_root)
+
+    monkeypatch.setattr(registry, "create", no_openvino)
+    assert ctl_mod.webui_backend("auto").name == "onnxruntime"
+    monkeypatch.setattr(registry, "create", real_create)
+
+    # A WebUI on a GPU: the library's auto (TensorRT where usable; ONNX Runtime on this machine).
+    monkeypatch.setattr(host, "runs_on_cpu", lambda: False)
+    assert ctl_mod.webui_backend("auto").name == registry.get_backend("auto").name

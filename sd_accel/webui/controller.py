@@ -28,6 +28,29 @@ OPT_PRESET = "sd_accel_default_preset"
 OPT_BACKEND = "sd_accel_backend"
 OPT_FORGE = "sd_accel_forge_enabled"
 OPT_VAE_CLIP = "sd_accel_vae_clip_enabled"
+
+# What ``auto`` tries first inside a WebUI that computes on the CPU: the fastest CPU backend
+# (OpenVINO, which install.py installs there), then ONNX Runtime. Elsewhere ``auto`` is the
+# library's own (TensorRT on NVIDIA GPUs, then ONNX Runtime).
+CPU_AUTO_ORDER: tuple[str, ...] = ("openvino", "onnxruntime")
+
+
+def webui_backend(name: str, cache_root=None):
+    """The runtime backend for ``name`` in the WebUI: ``auto`` on a WebUI that computes on the
+    CPU (``--use-cpu all``, Forge's ``--always-cpu``, a CPU torch) is the first usable of
+    :data:`CPU_AUTO_ORDER`; any other name, or no usable CPU backend, goes to
+    :func:`sd_accel.backends.registry.get_backend` (which raises with the reason when unusable)."""
+    from sd_accel.backends.registry import create, get_backend
+
+    if name in (None, "", "auto") and host.runs_on_cpu():
+        for candidate in CPU_AUTO_ORDER:
+            try:
+                backend = create(candidate, cache_root)
+                if backend.info().usable:
+                    return backend
+            except Exception as exc:  # a broken install of one backend: the next one
+                log.debug("backend %s is not usable here: %s", candidate, exc)
+    return get_backend(name or "auto", cache_root=cache_root)
 AUTO_PRESET = "auto (by model family)"
 
 
@@ -87,13 +110,11 @@ class Controller:
 
     def backend(self):
         """The runtime backend for the settings' choice; raises with the reason when unusable."""
-        from sd_accel.backends.registry import get_backend
-
         cache = self.cache()
         key = (self.backend_name(), str(cache.root))
         with self._lock:
             if key not in self._backend:
-                self._backend[key] = get_backend(key[0], cache_root=cache.root)
+                self._backend[key] = webui_backend(key[0], cache_root=cache.root)
             return self._backend[key]
 
     # ---- engines

@@ -354,11 +354,10 @@ def build_loaded(
     is set, :class:`EngineError` when a build or its validation fails. An ONNX export that no
     engine ended up using (a failed build) is removed again.
     """
-    from sd_accel.backends.registry import get_backend
-    from sd_accel.webui.controller import controller
+    from sd_accel.webui.controller import controller, webui_backend
     from sd_accel.webui.disk import drop_unneeded
 
-    be = get_backend(backend_name, cache_root=cache.root)
+    be = webui_backend(backend_name, cache_root=cache.root)
     info = be.info()
     precision = default_build_precision(be) if precision in (None, "", "auto") else precision
     if precision == "int8":

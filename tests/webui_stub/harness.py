@@ -92,6 +92,9 @@ def start(tmp: Path, forge: bool = False, argv: tuple[str, ...] = ("--api",), fa
     scripts.load_scripts([str(EXTENSION)])
     scripts.scripts_txt2img.initialize_scripts(is_img2img=False)
     shared.opts.data["sd_accel_engine_dir"] = str(engine_dir or tmp / "engines")
+    # ONNX Runtime fp32 by default: the tests compare engine outputs with PyTorch's within 2e-3, and
+    # ``auto`` on this CPU stand-in would be OpenVINO bf16 (options={"sd_accel_backend": "auto"}).
+    shared.opts.data["sd_accel_backend"] = "onnxruntime"
     for key, value in (options or {}).items():
         shared.opts.data[key] = value
     info = sd_models.register_checkpoint(str(make_checkpoint(tmp / "models", f"tiny-{family}", family)))
