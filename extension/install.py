@@ -8,11 +8,19 @@ Rules, because a broken WebUI is the worst outcome of an extension install:
   imports, each only when missing or too old: onnx, onnxruntime, filelock, platformdirs, tqdm
   (:data:`REQUIREMENTS`). Never torch, torchvision, gradio or transformers (A1111 1.x pins Gradio
   3.41, Forge 4.x; both pin their torch), and not diffusers: the WebUI path runs the WebUI's own
-  UNet and does not import it (only the tab's Generate-with-a-diffusers-model does).
-- Every pip call gets a constraints file that pins what is installed of torch, gradio,
-  transformers, numpy, the NVIDIA CUDA wheels and the rest of :data:`PROTECTED` (protobuf may
-  move within its major version: onnx needs >= 3.20.2, A1111 pins 3.20.0). A package that would
-  need any of them changed is not installed; the console and the sd-accel tab say so.
+  modules and does not import it.
+- Every pip call gets a constraints file that pins, at the versions installed now, the packages
+  of :data:`PROTECTED` (torch, gradio, transformers, numpy, protobuf ...), every NVIDIA CUDA
+  wheel, and every package the WebUI's own requirements file pins exactly
+  (``requirements_versions.txt``, or ``$REQS_FILE``): the WebUI re-runs its whole requirements
+  install at the next start when one of those moved (Forge pins protobuf 3.20.0; onnx asks for
+  >= 3.20.2). When pip cannot install a package under those pins, it is installed once more
+  without its dependencies and kept only if it then imports (onnx 1.17 does with protobuf
+  3.20.0); otherwise it is removed again and the console and the sd-accel tab say so.
+- OpenVINO, the fast CPU backend, for a CPU build of torch (or a WebUI started with
+  ``--always-cpu`` / ``--use-cpu all``); ``SD_ACCEL_INSTALL_OPENVINO=0`` skips it, ``=1`` forces
+  it. Its only dependency besides openvino-telemetry is numpy (pinned). NNCF is not installed:
+  static int8 calibrates on diffusers pipelines, which the WebUI's models are not.
 - TensorRT (``tensorrt-cu12`` or ``-cu11`` after torch's CUDA, with polygraphy) is installed only
   for a CUDA build of torch, and not with ``SD_ACCEL_INSTALL_TENSORRT=0``. When it cannot be
   installed or imported the WebUI still starts and the tab says why and what to run.
@@ -51,6 +59,9 @@ PROTECTED = ("torch", "torchvision", "torchaudio", "xformers", "gradio", "gradio
              "diffusers", "accelerate", "numpy", "pydantic", "fastapi", "starlette", "safetensors",
              "huggingface_hub", "pillow", "open_clip_torch", "protobuf")
 NEVER_INSTALL = ("torch", "torchvision", "torchaudio", "gradio", "transformers", "diffusers")
+OPENVINO = ("openvino>=2024.0",)
+# launch_utils' parse of a requirements line (``requirements_met``): name, then an optional ==version
+RE_REQUIREMENT = re.compile(r"\s*([-_a-zA-Z0-9]+)\s*(?:==\s*([-+_.a-zA-Z0-9]+))?\s*")
 # onnxruntime ships under several distribution names that all provide the same module.
 ALIASES = {"onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino")}
 TENSORRT = ("polygraphy>=0.49",)
@@ -113,18 +124,32 @@ def torch_cuda_major() -> str | None:
     return None
 
 
-def constraints(protected: Iterable[str] = PROTECTED) -> list[str]:
-    """Constraint lines pinning what is installed of ``protected`` and of every NVIDIA wheel."""
+def webui_pins(requirements_file: Path | None = None) -> list[str]:
+    """Names the WebUI's requirements file pins with ``==`` (launch_utils' ``requirements_met``
+    compares exactly those with what is installed, and reinstalls everything when one differs)."""
+    path = requirements_file or Path(os.environ.get("REQS_FILE", "requirements_versions.txt"))
+    try:
+        text = path.read_text(encoding="utf8")
+    except OSError:
+        return []
+    names = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        match = RE_REQUIREMENT.match(line) if line.strip() else None
+        if match and match.group(2):
+            names.append(match.group(1))
+    return names
+
+
+def constraints(protected: Iterable[str] = PROTECTED, requirements_file: Path | None = None) -> list[str]:
+    """Constraint lines pinning, at the installed version, ``protected``, what the WebUI's
+    requirements file pins, and every NVIDIA wheel."""
     lines = []
-    for name in protected:
+    for name in [*protected, *webui_pins(requirements_file)]:
         version = installed_version(name)
         if version is None:
             continue
-        if _norm(name) == "protobuf":
-            major = _release(version)[0]
-            lines.append(f"protobuf>={version.split('+')[0]},<{major + 1}")
-        else:
-            lines.append(f"{name}=={version}")
+        lines.append(f"{name}=={version}")
     for dist in importlib.metadata.distributions():
         name = dist.metadata.get("Name") or ""
         if _norm(name).startswith("nvidia-") and not _norm(name).startswith("nvidia-modelopt"):
@@ -188,6 +213,19 @@ def missing(requirements: Iterable[str], is_installed: Callable[[str], bool]) ->
     return todo
 
 
+def openvino_requirements() -> tuple[list[str], str]:
+    """(OpenVINO packages to install, why / why not): for WebUIs that compute on the CPU."""
+    switch = os.environ.get("SD_ACCEL_INSTALL_OPENVINO", "").strip()
+    if switch == "0":
+        return [], "SD_ACCEL_INSTALL_OPENVINO=0"
+    args = os.environ.get("COMMANDLINE_ARGS", "") + " " + " ".join(sys.argv[1:])
+    cpu_flags = "--always-cpu" in args or re.search(r"--use-cpu\s+(all|sd)\b", args) is not None
+    if switch != "1" and torch_cuda_major() is not None and not cpu_flags:
+        return [], "torch is a CUDA build: TensorRT is the fast backend there"
+    todo = [r for r in OPENVINO if not satisfied(r, installed_version(requirement_name(r)))]
+    return todo, "the WebUI computes on the CPU: OpenVINO is the fast CPU backend"
+
+
 def tensorrt_requirements() -> tuple[list[str], str]:
     """(TensorRT packages to install, why / why not)."""
     if os.environ.get("SD_ACCEL_INSTALL_TENSORRT", "").strip() == "0":
@@ -226,8 +264,8 @@ def _quote(arg: str) -> str:
     return f'"{arg}"'
 
 
-def _pip(run_pip: Callable, args: list[str], desc: str, constraints_file: Path) -> bool:
-    """``launch.run_pip("install ...")``; False (and a message) when pip fails."""
+def _pip(run_pip: Callable, args: list[str], desc: str, constraints_file: Path, quiet: bool = False) -> bool:
+    """``launch.run_pip("install ...")``; False (and a message unless ``quiet``) when pip fails."""
     named = [requirement_name(a) for a in args if not a.startswith("-") and not Path(a).exists()]
     bad = [n for n in named if _norm(n) in {_norm(x) for x in NEVER_INSTALL}]
     if bad:  # a guard against this file's own mistakes
@@ -238,8 +276,47 @@ def _pip(run_pip: Callable, args: list[str], desc: str, constraints_file: Path) 
         run_pip(command, desc)
         return True
     except Exception as exc:  # the WebUI's run_pip raises RuntimeError with pip's output
-        say(f"could not install {desc}: {str(exc).strip()[-2000:]}")
+        if not quiet:
+            say(f"could not install {desc}: {str(exc).strip()[-2000:]}")
         return False
+
+
+def imports(module: str) -> str | None:
+    """None when ``module`` imports here, else why not."""
+    importlib.invalidate_caches()
+    try:
+        __import__(module)
+        return None
+    except Exception as exc:  # any import-time failure: a missing dependency, an ABI clash
+        return f"{type(exc).__name__}: {exc}"
+
+
+IMPORT_NAME = {"onnxruntime": "onnxruntime", "openvino": "openvino", "onnx": "onnx", "filelock": "filelock",
+               "platformdirs": "platformdirs", "tqdm": "tqdm", "polygraphy": "polygraphy"}
+
+
+def install_pinned(launch, requirement: str, desc: str, pins: Path) -> bool:
+    """Install ``requirement`` under the pins; when pip cannot (a dependency would have to move),
+    once more without dependencies, kept only if it then imports. True when it is installed."""
+    if _pip(launch.run_pip, [requirement], desc, pins, quiet=True):
+        return True
+    name = requirement_name(requirement)
+    say(f"{requirement} cannot be installed without moving a package the WebUI pins; trying it without "
+        "its dependencies (the pinned versions stay)")
+    if not _pip(launch.run_pip, ["--no-deps", requirement], f"{desc} (without dependencies)", pins):
+        return False
+    why = imports(IMPORT_NAME.get(_norm(name), name.replace("-", "_")))
+    if why is None:
+        say(f"{name} {installed_version(name)} installed without its dependencies; it imports with the "
+            "WebUI's pinned packages")
+        return True
+    say(f"{name} does not work with the WebUI's pinned packages ({why}); removing it again. sd-accel runs without "
+        "it; the sd-accel tab says what that leaves")
+    try:
+        launch.run_pip(f"uninstall -y {_quote(name)}", f"removing {name}")
+    except Exception as exc:  # nothing more to do: the message above stands
+        say(f"could not remove {name}: {exc}")
+    return False
 
 
 def main(extension_dir: Path = EXTENSION_DIR, launch_module=None, stamp: Path | None = None) -> int:
@@ -265,7 +342,12 @@ def main(extension_dir: Path = EXTENSION_DIR, launch_module=None, stamp: Path | 
             elif not installed_version("sd-accel"):
                 say(why)
             for requirement in missing(REQUIREMENTS, launch.is_installed):
-                _pip(launch.run_pip, [requirement], f"{requirement} for sd-accel", pins)
+                install_pinned(launch, requirement, f"{requirement} for sd-accel", pins)
+            openvino, why = openvino_requirements()
+            if openvino:
+                say(f"installing OpenVINO ({why}); set SD_ACCEL_INSTALL_OPENVINO=0 to skip it")
+                for requirement in openvino:
+                    install_pinned(launch, requirement, f"{requirement} for sd-accel", pins)
             trt, why = tensorrt_requirements()
             if trt:
                 say(f"installing TensorRT ({why}); set SD_ACCEL_INSTALL_TENSORRT=0 to skip it")

@@ -28,10 +28,15 @@ FALLBACK = "running torch for this call"
 
 
 @pytest.fixture(autouse=True)
-def _lean(monkeypatch):
+def _lean(monkeypatch, caplog):
     monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")  # the machine's two cores are shared
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    # In the WebUI the sd_accel logger has its own console handler and does not propagate
+    # (sd_accel.webui.console): caplog listens on it directly.
+    logger = logging.getLogger("sd_accel")
+    logger.addHandler(caplog.handler)
     yield
+    logger.removeHandler(caplog.handler)
     harness.purge()
 
 
@@ -45,18 +50,19 @@ def _built(webui) -> None:
     from sd_accel.ui.state import BuildRequest
     from sd_accel.webui.tab import WEBUI_MODEL, WebUIPanelState
 
-    updates = list(WebUIPanelState().build(BuildRequest(profile=STATIC, model=WEBUI_MODEL)))
+    updates = list(WebUIPanelState().build(BuildRequest(profile=STATIC, model=WEBUI_MODEL,
+                                                        components=("unet", "vae_decoder", "vae_encoder", "clip"))))
     assert updates[-1].done and updates[-1].ok, updates[-1].text
     response = webui.client().post("/sd-accel/build", json={"profile": DYNAMIC.to_dict()})
     assert response.status_code == 200, response.text
     webui.sd_unet.list_unets()
 
 
-def _counts(webui):
-    """(engine calls, torch calls) of the last job (the counters restart with each job)."""
+def _counts(webui, component: str = "ldm_unet"):
+    """(engine calls, torch calls) of ``component`` in the last job (the counters restart with each job)."""
     from sd_accel.webui.controller import controller
 
-    engines = controller().loaded()
+    engines = controller().loaded(component)
     return sum(e.stats.engine_calls for e in engines), sum(e.stats.torch_calls for e in engines)
 
 
@@ -130,6 +136,54 @@ def test_install_never_touches_the_webuis_own_packages(tmp_path, monkeypatch, ca
     assert install.tensorrt_requirements()[0] == []
 
 
+def test_install_keeps_the_webuis_exact_pins_and_adds_openvino_on_cpu(tmp_path, monkeypatch, capsys):
+    install = _install_module()
+    # Every exact pin of the WebUI's requirements file, at what is installed (launch_utils'
+    # requirements_met reinstalls everything when one moved): protobuf too, exactly.
+    reqs = tmp_path / "requirements_versions.txt"
+    reqs.write_text("setuptools==69.5.1  # temp fix\nprotobuf==3.20.0\ntorch\nPillow==9.5.0\n\n")
+    assert install.webui_pins(reqs) == ["setuptools", "protobuf", "Pillow"]
+    real_version = install.installed_version
+    fake = {"protobuf": "3.20.0", "pillow": "9.5.0", "setuptools": "69.5.1"}
+    monkeypatch.setattr(install, "installed_version", lambda d: fake.get(d.lower(), real_version(d)))
+    pins = install.constraints(requirements_file=reqs)
+    assert "protobuf==3.20.0" in pins and "Pillow==9.5.0" in pins and "setuptools==69.5.1" in pins
+    assert not [p for p in pins if p.startswith("protobuf>")]  # no "may move within its major" any more
+    # OpenVINO on a CPU build of torch (or a WebUI told to compute on the CPU), not on CUDA.
+    monkeypatch.setattr(install, "installed_version", lambda d: None if d == "openvino" else real_version(d))
+    monkeypatch.setattr(install, "torch_cuda_major", lambda: None)
+    assert install.openvino_requirements()[0] == ["openvino>=2024.0"]
+    monkeypatch.setattr(install, "torch_cuda_major", lambda: "12")
+    assert install.openvino_requirements()[0] == []
+    monkeypatch.setenv("COMMANDLINE_ARGS", "--api --always-cpu")
+    assert install.openvino_requirements()[0] == ["openvino>=2024.0"]
+    monkeypatch.setenv("SD_ACCEL_INSTALL_OPENVINO", "0")
+    assert install.openvino_requirements()[0] == []
+
+    # A package pip cannot install under the pins (onnx wants protobuf >= 3.20.2, Forge pins
+    # 3.20.0): installed once more without its dependencies, kept because it imports.
+    commands = []
+
+    def run_pip(command, desc=None, live=False):
+        commands.append(command)
+        if command.startswith("install ") and "--no-deps" not in command:
+            raise RuntimeError("ERROR: ResolutionImpossible: protobuf==3.20.0 (from constraints)")
+        return ""
+
+    launch = type("Launch", (), {"run_pip": staticmethod(run_pip)})
+    constraints_file = tmp_path / "c.txt"
+    constraints_file.write_text("protobuf==3.20.0\n")
+    assert install.install_pinned(launch, "onnx>=1.16", "onnx for sd-accel", constraints_file) is True
+    assert [c.split(" -c ")[0] for c in commands] == ['install "onnx>=1.16"', 'install --no-deps "onnx>=1.16"']
+    assert all(" -c " in c for c in commands)
+    # One that then does not import is removed again, and the console says so.
+    commands.clear()
+    assert install.install_pinned(launch, "no-such-module-xyz>=1", "x", constraints_file) is False
+    assert commands[-1] == 'uninstall -y "no-such-module-xyz"'
+    out = capsys.readouterr().out
+    assert "does not work with the WebUI's pinned packages" in out and "removing it again" in out
+
+
 # --------------------------------------------------------------------------- a whole job
 
 
@@ -165,32 +219,75 @@ def test_a1111_job_on_engines_with_fallback(tmp_path, engine_dir, caplog, capsys
 
     def run(name, **kw):
         webui.shared.opts.batch_cond_uncond = name != "apart B"
-        return webui.txt2img(**kw).samples
+        out = webui.txt2img(**kw)
+        return out.samples, out.images
 
+    # The reference: all of it in PyTorch (SD Unet "None", VAE / text encoder engines off).
     webui.shared.opts.sd_unet = "None"
+    webui.shared.opts.data["sd_accel_vae_clip_enabled"] = False
     reference = {name: run(name, **kw) for name, kw in jobs.items()}
     webui.shared.opts.sd_unet = "Automatic"
+    webui.shared.opts.data["sd_accel_vae_clip_enabled"] = True
     for name, kw in jobs.items():
-        got = run(name, **kw)
+        samples, images = run(name, **kw)
         engine, torch_calls = _counts(webui)
         assert torch_calls == 0 and engine > 0, (name, engine, torch_calls)
-        torch.testing.assert_close(got, reference[name], atol=2e-3, rtol=2e-3)
+        # The VAE decoder (one image per call) and CLIP (each 77-token chunk) on engines too.
+        assert _counts(webui, "ldm_vae_decoder") == (kw.get("batch_size", 1), 0), name
+        clip_engine, clip_torch = _counts(webui, "ldm_clip")
+        assert clip_engine >= 2 and clip_torch == 0, name
+        torch.testing.assert_close(samples, reference[name][0], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(images, reference[name][1], atol=2e-3, rtol=2e-3)
     assert type(webui.sd_unet.current_unet).__name__ == "SdAccelUnet"  # ours, activated by "Automatic"
     # batch 3 batched = 6 rows > 4 the dynamic engine takes: 4 + 2, both on engines.
-    # A size no engine covers: PyTorch for those calls, said once in the job, then a summary.
+    # A size no engine covers: PyTorch for those calls, said once per component in the job, then a summary.
     caplog.clear()
     capsys.readouterr()
     with caplog.at_level(logging.WARNING, logger="sd_accel"):
         webui.txt2img(prompt="a cat", steps=3, width=128, height=128)
-    assert _counts(webui) == (0, 3)
-    assert sum(FALLBACK in r.getMessage() for r in caplog.records) == 1
+    assert _counts(webui) == (0, 3) and _counts(webui, "ldm_vae_decoder") == (0, 1)
+    assert sum(FALLBACK in r.getMessage() and "ldm_unet" in r.getMessage() for r in caplog.records) == 1
     out = capsys.readouterr().out
-    assert "0 on engines, 3 in PyTorch" in out and "no engine covers" in out
+    assert "UNet calls this job: 0 on engines, 3 in PyTorch" in out and "no engine covers" in out
+    assert "VAE decoder calls this job: 0 on engines, 1 in PyTorch" in out
+    assert "text encoder calls this job: 2 on engines, 0 in PyTorch" in out  # the prompt's size does not matter
     # The next job warns again (once per job, not once per process).
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sd_accel"):
         webui.txt2img(prompt="a cat", steps=2, width=128, height=128)
-    assert sum(FALLBACK in r.getMessage() for r in caplog.records) == 1
+    assert sum(FALLBACK in r.getMessage() and "ldm_unet" in r.getMessage() for r in caplog.records) == 1
+
+    # A textual-inversion embedding in the prompt: that CLIP call runs in PyTorch (the engine has
+    # no such token), the negative prompt's on the engine; the result is torch's.
+    webui.shared.opts.data["sd_accel_vae_clip_enabled"] = False
+    ti_reference = webui.txt2img(prompt="a ti-style cat", steps=1).images
+    webui.shared.opts.data["sd_accel_vae_clip_enabled"] = True
+    capsys.readouterr()
+    ti = webui.txt2img(prompt="a ti-style cat", steps=1).images
+    assert _counts(webui, "ldm_clip") == (1, 1)
+    assert "textual-inversion" in capsys.readouterr().out
+    torch.testing.assert_close(ti, ti_reference, atol=2e-3, rtol=2e-3)
+
+    # img2img: the init image is encoded on the encoder engine, one image per call.
+    init = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    webui.shared.opts.data["sd_accel_vae_clip_enabled"] = False
+    webui.shared.opts.sd_unet = "None"
+    i2i_reference = webui.img2img(init, prompt="a cat", steps=2, batch_size=2).images
+    webui.shared.opts.data["sd_accel_vae_clip_enabled"] = True
+    webui.shared.opts.sd_unet = "Automatic"
+    i2i = webui.img2img(init, prompt="a cat", steps=2, batch_size=2).images
+    assert _counts(webui, "ldm_vae_encoder") == (2, 0) and _counts(webui, "ldm_vae_decoder") == (2, 0)
+    torch.testing.assert_close(i2i, i2i_reference, atol=2e-3, rtol=2e-3)
+
+    # Another VAE file loaded (sd_vae): the checkpoint's VAE engines no longer apply; PyTorch decodes.
+    from modules import sd_vae
+
+    sd_vae.loaded_vae_file = str(tmp_path / "other.vae.safetensors")
+    try:
+        webui.txt2img(prompt="a cat", steps=1)
+        assert _counts(webui, "ldm_vae_decoder") == (0, 0) and _counts(webui)[0] > 0
+    finally:
+        sd_vae.loaded_vae_file = None
 
 
 def test_api_routes_list_build_delete(tmp_path, engine_dir):
@@ -202,22 +299,37 @@ def test_api_routes_list_build_delete(tmp_path, engine_dir):
         listed = client.get("/sd-accel/engines").json()
     assert listed["engine_dir"] == str(engine_dir)
     names = [e["name"] for e in listed["engines"]]
-    first = listed["engines"][0]
-    assert first["component"] == "ldm_unet" and first["usable_here"] is True
+    first = next(e for e in listed["engines"] if e["component"] == "ldm_unet")
+    assert first["usable_here"] is True
     assert first["webui"]["model_name"] == "tiny-sd15" and first["weights"].startswith("ckpt-")
+    assert {e["component"] for e in listed["engines"]} >= {"ldm_unet", "ldm_vae_decoder", "ldm_clip"}
     # Errors answer with a status and a reason, never a crash.
     assert client.post("/sd-accel/build", json={"profile": {"batch": 1, "height": 60, "width": 64}}).status_code == 400
     assert client.post("/sd-accel/build", json={"checkpoint": "nope"}).status_code == 404
-    assert client.delete("/sd-accel/engines/not-an-engine").status_code == 400
-    assert client.delete("/sd-accel/engines/ldm_unet.x.fp32.static.b1.onnxruntime-1.0.ckpt-0.00000000.s1").status_code == 404
+    for unknown in ("not-an-engine", "ldm_unet.x.fp32.static.b1.onnxruntime-1.0.ckpt-0.00000000.s1"):
+        response = client.delete(f"/sd-accel/engines/{unknown}")
+        assert response.status_code == 404 and "GET /sd-accel/engines" in response.json()["detail"]
     # Delete one (a copy: the module's engines stay for the other tests).
     webui.shared.opts.data["sd_accel_engine_dir"] = str(tmp_path / "copy")
     import shutil
 
     shutil.copytree(engine_dir, tmp_path / "copy")
     response = client.delete(f"/sd-accel/engines/{names[0]}")
-    assert response.status_code == 200 and response.json() == {"deleted": names[0]}
+    assert response.status_code == 200 and response.json()["deleted"] == names[0]
     assert names[0] not in [e["name"] for e in client.get("/sd-accel/engines").json()["engines"]]
+
+    # Disk: the ONNX exports are counted, and go with the last engine that needs them.
+    disk = client.get("/sd-accel/engines").json()["disk"]
+    assert disk["onnx_bytes"] > 0 and disk["onnx_unused_bytes"] == 0
+    assert disk["total_bytes"] == disk["engine_bytes"] + disk["onnx_bytes"] + disk["calibration_bytes"]
+    from sd_accel.webui.tab import WebUIPanelState
+
+    assert "ONNX exports" in WebUIPanelState().disk_usage()
+    for name in names[1:]:
+        assert client.delete(f"/sd-accel/engines/{name}").status_code == 200
+    disk = client.get("/sd-accel/engines").json()["disk"]
+    assert disk["engines"] == 0 and disk["onnx_bytes"] == 0 and disk["total_bytes"] == 0
+    assert not [p for p in (tmp_path / "copy" / "onnx").iterdir() if not p.name.startswith(".")]
 
 
 def test_webui_flags_respected_by_the_export(tmp_path):
@@ -302,7 +414,8 @@ def test_the_tabs_rebuild_of_a_webui_engine_exports_the_loaded_checkpoint():
 
     state = WebUIPanelState()
     req = state.rebuild_request(record("ldm_unet"), "builtin:tiny-sd15")
-    assert (req.model, req.components, req.profile) == (WEBUI_MODEL, ("ldm_unet",), STATIC)
+    assert (req.model, req.components, req.profile) == (WEBUI_MODEL, ("unet",), STATIC)
+    assert state.rebuild_request(record("ldm_vae_decoder"), "x").components == ("vae_decoder",)
     assert state.rebuild_request(record("unet"), "builtin:tiny-sd15").model == "builtin:tiny-sd15"
 
 
@@ -338,7 +451,9 @@ def test_unusable_backend_never_breaks_a_job(tmp_path, engine_dir, capsys):
     assert torch.isfinite(out).all()
     assert "engines cannot be loaded" in capsys.readouterr().out
     status = status_markdown()
-    assert "cannot run here" in status and "pip install tensorrt-cu" in status
+    # CPU torch: no TensorRT advice that cannot work here; the CPU backends are named instead.
+    assert "cannot run here" in status and "pip install tensorrt" not in status
+    assert "OpenVINO" in status and "ONNX Runtime" in status
 
 
 @pytest.mark.slow

@@ -54,10 +54,28 @@ class LdmDims:
     num_upsamplers: int = 3
 
 
+def linear_in_features(module: torch.nn.Module) -> int | None:
+    """Input width of a linear layer, by what it has rather than by class.
+
+    Hosts wrap ``nn.Linear`` in their own classes: ldm_patched's subclasses it, but Forge 2's
+    ``ForgeOperations.Linear`` (and its 4-bit / GGUF variants) is a plain ``nn.Module`` with an
+    ``in_features`` attribute and a ``weight`` (out, in) that may be None until loaded.
+    """
+    value = getattr(module, "in_features", None)
+    if isinstance(value, int) and value > 0:
+        return value
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[1])
+    return None
+
+
 def _first_linear_in(module: torch.nn.Module, suffix: str) -> int | None:
     for name, sub in module.named_modules():
-        if name.endswith(suffix) and isinstance(sub, torch.nn.Linear):
-            return int(sub.in_features)
+        if name.endswith(suffix):
+            width = linear_in_features(sub)
+            if width is not None:
+                return width
     return None
 
 
@@ -82,7 +100,7 @@ def ldm_dims(module: torch.nn.Module) -> LdmDims:
     label_emb = getattr(module, "label_emb", None)
     if label_emb is not None:
         first = label_emb[0][0] if isinstance(label_emb[0], torch.nn.Sequential) else label_emb[0]
-        adm = int(first.in_features)
+        adm = int(linear_in_features(first) or 0)
     return LdmDims(
         context_dim=context,
         adm_channels=adm,
@@ -206,4 +224,4 @@ def latent_ok(latent_hw: tuple[int, int], multiple: int) -> bool:
     return multiple <= 1 or all(s % multiple == 0 for s in latent_hw)
 
 
-__all__ = ["COMPONENT", "LdmDims", "LdmUNetSpec", "latent_ok", "ldm_dims"]
+__all__ = ["COMPONENT", "LdmDims", "LdmUNetSpec", "latent_ok", "ldm_dims", "linear_in_features"]

@@ -10,8 +10,8 @@ alike, on any device, whatever file they came from.
 its name, shape, dtype, device, storage address and autograd version counter. In-place updates
 through torch ops (``param.copy_``, ``load_state_dict``, LoRA fusing, ``module.to``) change the
 signature, so the next call hashes again. Writes that bypass the version counter (through
-``tensor.data``, or a NumPy view of the storage) are NOT seen: call :func:`clear_fingerprint`
-after them.
+``tensor.data``, or a NumPy view of the storage, or any in-place edit of an inference tensor,
+which has no counter) are NOT seen: call :func:`clear_fingerprint` after them.
 """
 
 from __future__ import annotations
@@ -77,9 +77,16 @@ def clear_fingerprint(module: torch.nn.Module) -> None:
 
 def _signature(tensors: dict[str, torch.Tensor]) -> tuple:
     return tuple(
-        (name, tuple(t.shape), t.dtype, t.device, t.data_ptr() if t.device.type != "meta" else 0, t._version)
+        (name, tuple(t.shape), t.dtype, t.device, t.data_ptr() if t.device.type != "meta" else 0, _version(t))
         for name, t in tensors.items()
     )
+
+
+def _version(t: torch.Tensor) -> int:
+    """The autograd version counter; -1 for inference tensors (made under ``torch.inference_mode``,
+    as Forge loads its weights), which have none: their in-place edits are not seen (see
+    :func:`clear_fingerprint`), new tensors are (another storage address)."""
+    return -1 if t.is_inference() else t._version
 
 
 def _config_blob(module: torch.nn.Module) -> bytes:

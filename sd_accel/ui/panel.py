@@ -21,8 +21,7 @@ from sd_accel.config import ATTENTION, BACKENDS, OFFLOAD, PRECISION
 from sd_accel.profiles import PRESETS, RANGE_GRAMMAR, default_preset
 from sd_accel.ui.state import (
     BUILD_PRECISIONS,
-    COMPONENT_CHOICES,
-    DEFAULT_COMPONENTS,
+    CUSTOM_PRESET,
     DEFAULT_MODEL,
     ENGINE_HEADERS,
     ENGINE_MODES,
@@ -31,9 +30,7 @@ from sd_accel.ui.state import (
     Busy,
     GenerateRequest,
     PanelState,
-    disk_usage,
     engine_names,
-    engine_rows,
     preset_fields,
     profile_from_fields,
 )
@@ -76,13 +73,19 @@ def _progress_markdown(update: BuildUpdate) -> str:
 def _engine_table(state: PanelState):
     import pandas as pd  # a Gradio dependency; a DataFrame keeps the headers when there are no rows
 
-    return pd.DataFrame(engine_rows(state.cache()), columns=ENGINE_HEADERS)
+    return pd.DataFrame(state.engine_rows(), columns=ENGINE_HEADERS)
 
 
-def _engine_outputs(state: PanelState) -> tuple[Any, Any, str]:
-    """Table, picker choices and disk line, freshly read from the cache."""
+def _engine_outputs(state: PanelState) -> tuple[Any, ...]:
+    """Table, picker choices and disk line, freshly read from the cache (and the status box's
+    text, when the state has one)."""
     cache = state.cache()
-    return _engine_table(state), gr.update(choices=engine_names(cache), value=None), disk_usage(cache)
+    out = (_engine_table(state), gr.update(choices=engine_names(cache), value=None), state.disk_usage())
+    return (*out, state.status() or "") if _has_status(state) else out
+
+
+def _has_status(state: PanelState) -> bool:
+    return type(state).status is not PanelState.status
 
 
 def build_panel(state: PanelState | None = None) -> gr.Blocks:
@@ -93,19 +96,25 @@ def build_panel(state: PanelState | None = None) -> gr.Blocks:
     """
     state = state or PanelState()
     with gr.Blocks(title="sd-accel") as demo:
-        gr.Markdown("## sd-accel\nFaster Stable Diffusion: engines (TensorRT, ONNX Runtime), "
-                    "attention, precision and sampler presets.")
-        model = gr.Textbox(value=state.model or DEFAULT_MODEL, label="Model",
+        status = None
+        if _has_status(state):
+            # Filled on page load (never while the UI is built: a host's status may need its model)
+            status = gr.Markdown("Reading the status...", elem_id="sd-accel-status")
+        else:
+            gr.Markdown("## sd-accel\nFaster Stable Diffusion: engines (TensorRT, ONNX Runtime), "
+                        "attention, precision and sampler presets.")
+        model = gr.Textbox(value=state.model or DEFAULT_MODEL, label="Model", visible=state.show_model,
                            placeholder="a .safetensors checkpoint, a diffusers folder, or builtin:tiny-sd15",
                            elem_id="sd-accel-model")
-        with gr.Tab("Generate", elem_id="sd-accel-tab-generate"):
-            gen_precision = _generate_tab(state, model)
+        gen_precision = None
+        if state.show_generate:
+            with gr.Tab("Generate", elem_id="sd-accel-tab-generate"):
+                gen_precision = _generate_tab(state, model)
         with gr.Tab("Engines", elem_id="sd-accel-tab-engines"):
-            eng = _engines_tab(state, model)
+            eng = _engines_tab(state, model, status)
         with gr.Tab("Settings", elem_id="sd-accel-tab-settings"):
             _settings_tab(state, gen_precision, eng)
-        demo.load(lambda: _engine_outputs(state), None, [eng["table"], eng["name"], eng["disk"]],
-                  **_event_kwargs(demo.load, heavy=False))
+        demo.load(lambda: _engine_outputs(state), None, eng["listing"], **_event_kwargs(demo.load, heavy=False))
     return demo
 
 
@@ -163,12 +172,12 @@ def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
     return precision
 
 
-def _engines_tab(state: PanelState, model: gr.Textbox) -> dict[str, Any]:
+def _engines_tab(state: PanelState, model: gr.Textbox, status: Any = None) -> dict[str, Any]:
     """Lay out the Engines tab and wire it; returns the components other tabs update."""
     first = getattr(state, "default_preset", None) or default_preset("sd15")
     with gr.Row():
         with gr.Column(scale=3):
-            preset = gr.Dropdown(list(PRESETS), value=first, label="Preset (fills the ranges below)",
+            preset = gr.Dropdown([*PRESETS, CUSTOM_PRESET], value=first, label="Preset (fills the ranges below)",
                                  elem_id="sd-accel-preset")
             b, h, w, t = preset_fields(first)
             gr.Markdown(f"Each range: {RANGE_GRAMMAR}.", elem_id="sd-accel-range-hint")
@@ -184,9 +193,8 @@ def _engines_tab(state: PanelState, model: gr.Textbox) -> dict[str, Any]:
                                       elem_id="sd-accel-backend")
                 precision = gr.Dropdown(list(BUILD_PRECISIONS), value=state.build_precision(),
                                         label="Engine precision", elem_id="sd-accel-build-precision")
-            components = gr.CheckboxGroup(list(COMPONENT_CHOICES), value=list(DEFAULT_COMPONENTS),
-                                          label="Components (those the model lacks are skipped)",
-                                          elem_id="sd-accel-components")
+            components = gr.CheckboxGroup(list(state.component_choices), value=list(state.default_components),
+                                          label=state.components_label, elem_id="sd-accel-components")
             with gr.Row():
                 build = gr.Button("Build engines", variant="primary", elem_id="sd-accel-build")
                 cancel = gr.Button("Cancel build", variant="stop", elem_id="sd-accel-cancel")
@@ -195,7 +203,7 @@ def _engines_tab(state: PanelState, model: gr.Textbox) -> dict[str, Any]:
     gr.Markdown("### Engines on disk")
     table = gr.Dataframe(headers=ENGINE_HEADERS, value=_engine_table(state), interactive=False, wrap=True,
                          label="Engines", elem_id="sd-accel-engines")
-    disk = gr.Markdown(disk_usage(state.cache()), elem_id="sd-accel-disk")
+    disk = gr.Markdown(state.disk_usage(), elem_id="sd-accel-disk")
     with gr.Row():
         name = gr.Dropdown(engine_names(state.cache()), value=None, label="Engine (for Delete / Rebuild)",
                            scale=4, elem_id="sd-accel-engine-name")
@@ -203,7 +211,7 @@ def _engines_tab(state: PanelState, model: gr.Textbox) -> dict[str, Any]:
         rebuild = gr.Button("Rebuild", scale=1, elem_id="sd-accel-rebuild")
         refresh = gr.Button("Refresh", scale=1, elem_id="sd-accel-refresh")
     action = gr.Markdown("", elem_id="sd-accel-engine-action")
-    listing = [table, name, disk]
+    listing = [table, name, disk] + ([status] if status is not None else [])
 
     def on_build(model_text, *fields_and_choices) -> Iterator[str]:
         *ranges, backend_name, precision_name, picked = fields_and_choices
@@ -234,11 +242,20 @@ def _engines_tab(state: PanelState, model: gr.Textbox) -> dict[str, Any]:
     quick = _event_kwargs(refresh.click, heavy=False)
     heavy = _event_kwargs(build.click, heavy=True)
     def on_preset(preset_name):
-        if preset_name not in PRESETS:  # cleared: keep the ranges as they are
+        if preset_name not in PRESETS:  # cleared or "custom": keep the ranges as they are
             return tuple(gr.update() for _ in range(4))
         return preset_fields(preset_name)
 
-    preset.change(on_preset, preset, [r_batch, r_height, r_width, r_tokens], **quick)
+    def on_range(preset_name, *fields):
+        # Ranges that no longer match the preset make it "custom" (a preset's own fill matches it).
+        if preset_name in PRESETS and tuple(f.strip() for f in fields) != preset_fields(preset_name):
+            return CUSTOM_PRESET
+        return gr.update()
+
+    ranges = [r_batch, r_height, r_width, r_tokens]
+    preset.change(on_preset, preset, ranges, **quick)
+    for box in ranges:
+        box.change(on_range, [preset, *ranges], preset, **quick)
     build_inputs = [model, r_batch, r_height, r_width, r_tokens, backend, precision, components]
     def after_build():  # the table changed; an old "Cancelling..." line no longer applies
         return ("", *_engine_outputs(state))
@@ -249,7 +266,8 @@ def _engines_tab(state: PanelState, model: gr.Textbox) -> dict[str, Any]:
         after_build, None, [action, *listing], **quick)
     delete.click(on_delete, name, [action, *listing], **quick)
     refresh.click(lambda: _engine_outputs(state), None, listing, **quick)
-    return {"table": table, "name": name, "disk": disk, "backend": backend, "precision": precision}
+    return {"table": table, "name": name, "disk": disk, "backend": backend, "precision": precision,
+            "listing": listing}
 
 
 def _settings_tab(state: PanelState, gen_precision: gr.Dropdown, eng: dict[str, Any]) -> None:
@@ -271,7 +289,9 @@ def _settings_tab(state: PanelState, gen_precision: gr.Dropdown, eng: dict[str, 
             message = state.apply_settings(dir_text, backend_name, precision_name)
         except _USER_ERRORS as exc:
             message = f"**Not saved**: {exc}"
-        return (message, state.precision, state.backend, state.build_precision(), *_engine_outputs(state))
+        answer = (message, state.precision, state.backend, state.build_precision(), *_engine_outputs(state))
+        return answer if gen_precision is not None else (answer[0], *answer[2:])
 
-    outputs = [status, gen_precision, eng["backend"], eng["precision"], eng["table"], eng["name"], eng["disk"]]
+    outputs = [status, gen_precision, eng["backend"], eng["precision"], *eng["listing"]]
+    outputs = [o for o in outputs if o is not None]
     save.click(on_save, [engine_dir, backend, precision], outputs, **_event_kwargs(save.click, heavy=False))

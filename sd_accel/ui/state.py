@@ -94,6 +94,9 @@ def engine_names(cache) -> list[str]:
     return [r.name for r in cache.list()]
 
 
+CUSTOM_PRESET = "custom"  # the Preset picker's value once the ranges are edited by hand
+
+
 def disk_usage(cache) -> str:
     """One line: how many engines, how much disk, where."""
     from sd_accel.units import format_size
@@ -261,6 +264,13 @@ class PanelState:
     precision: str = "auto"
     model: str = DEFAULT_MODEL
     max_pipelines: int = 1
+    # What the panel shows; a host (the WebUI tab) narrows it to what it builds and runs.
+    show_generate: bool = field(default=True, init=False, repr=False)
+    show_model: bool = field(default=True, init=False, repr=False)
+    component_choices: tuple[str, ...] = field(default=COMPONENT_CHOICES, init=False, repr=False)
+    default_components: tuple[str, ...] = field(default=DEFAULT_COMPONENTS, init=False, repr=False)
+    components_label: str = field(default="Components (those the model lacks are skipped)", init=False,
+                                  repr=False)
     _pipes: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _cancel: threading.Event | None = field(default=None, init=False, repr=False)
@@ -273,6 +283,19 @@ class PanelState:
         from sd_accel import EngineCache
 
         return EngineCache(self.engine_dir or None)
+
+    def engine_rows(self) -> list[list[str]]:
+        """The engine table's rows (:func:`engine_rows`); a host may show its own ids."""
+        return engine_rows(self.cache())
+
+    def disk_usage(self) -> str:
+        """The disk line under the engine table (:func:`disk_usage`)."""
+        return disk_usage(self.cache())
+
+    def status(self) -> str | None:
+        """A status box over the panel's tabs, recomputed on every page load, refresh, build and
+        delete; None (the default): no box."""
+        return None
 
     def apply_settings(self, engine_dir: str | None, backend: str, precision: str) -> str:
         """Validate and keep the Settings tab's values; returns a line for the user."""
@@ -493,7 +516,7 @@ def _final(item: tuple, finished: list[str], seconds: float) -> BuildUpdate:
     kind, payload, skipped = item
     done = "\n".join(f"- {f}" for f in finished)
     if kind == "done":
-        note = f"\n\nSkipped (not in this model): {', '.join(skipped)}" if skipped else ""
+        note = f"\n\nNot built: {'; '.join(skipped)}" if skipped else ""
         return BuildUpdate(f"**Done**: {len(payload)} engine(s) ready in {seconds:.1f} s.\n{done}{note}",
                            1.0, True, True, payload)
     if kind == "cancelled":
@@ -509,7 +532,7 @@ def _components_of(pipe, wanted: tuple[str, ...]) -> tuple[list[str], list[str]]
     have = engine_components(pipe)
     if not wanted:
         raise InvalidValue("tick at least one component to build")
-    return [c for c in wanted if c in have], [c for c in wanted if c not in have]
+    return [c for c in wanted if c in have], [f"{c} (not in this model)" for c in wanted if c not in have]
 
 
 def _check_same_model(pipe, record) -> None:

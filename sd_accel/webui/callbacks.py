@@ -42,8 +42,11 @@ def callbacks() -> list[tuple[str, object]]:
     file that registered it (``add_callback`` reads the caller's file name), and it should be
     the extension's script, not a file in site-packages.
     """
+    from sd_accel.webui.console import setup
     from sd_accel.webui.settings import on_ui_settings
     from sd_accel.webui.tab import on_ui_tabs
+
+    setup()  # sd-accel's INFO lines (build stages) in the WebUI's console, never glued onto a bar
 
     out = [
         ("on_ui_tabs", on_ui_tabs),

@@ -27,6 +27,30 @@ OPT_FALLBACK = "sd_accel_fallback"
 OPT_PRESET = "sd_accel_default_preset"
 OPT_BACKEND = "sd_accel_backend"
 OPT_FORGE = "sd_accel_forge_enabled"
+OPT_VAE_CLIP = "sd_accel_vae_clip_enabled"
+
+# What ``auto`` tries first inside a WebUI that computes on the CPU: the fastest CPU backend
+# (OpenVINO, which install.py installs there), then ONNX Runtime. Elsewhere ``auto`` is the
+# library's own (TensorRT on NVIDIA GPUs, then ONNX Runtime).
+CPU_AUTO_ORDER: tuple[str, ...] = ("openvino", "onnxruntime")
+
+
+def webui_backend(name: str, cache_root=None):
+    """The runtime backend for ``name`` in the WebUI: ``auto`` on a WebUI that computes on the
+    CPU (``--use-cpu all``, Forge's ``--always-cpu``, a CPU torch) is the first usable of
+    :data:`CPU_AUTO_ORDER`; any other name, or no usable CPU backend, goes to
+    :func:`sd_accel.backends.registry.get_backend` (which raises with the reason when unusable)."""
+    from sd_accel.backends.registry import create, get_backend
+
+    if name in (None, "", "auto") and host.runs_on_cpu():
+        for candidate in CPU_AUTO_ORDER:
+            try:
+                backend = create(candidate, cache_root)
+                if backend.info().usable:
+                    return backend
+            except Exception as exc:  # a broken install of one backend: the next one
+                log.debug("backend %s is not usable here: %s", candidate, exc)
+    return get_backend(name or "auto", cache_root=cache_root)
 AUTO_PRESET = "auto (by model family)"
 
 
@@ -35,6 +59,7 @@ class Job:
     """What the running job wants and what it got; reset by :meth:`Controller.job_started`."""
 
     loras: LoraSet | None = None  # None: not known (no script hook saw the job)
+    te_loras: LoraSet | None = None  # the same LoRAs with their text-encoder strengths
     torch_only: str | None = None  # why the whole job runs in PyTorch (hypernetworks ...)
     notes: list[str] = field(default_factory=list)
     used: set = field(default_factory=set)  # weights ids whose engines served this job
@@ -45,7 +70,7 @@ class Controller:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._engines: dict[tuple, LdmEngines | None] = {}
+        self._engines: dict[tuple, Any] = {}  # (weights id, component, ...) -> engines or None
         self._generation = 0
         self._backend: dict[tuple, Any] = {}
         self._said: set[str] = set()
@@ -68,6 +93,9 @@ class Controller:
     def forge_enabled(self) -> bool:
         return bool(host.opt(OPT_FORGE, True))
 
+    def vae_clip_enabled(self) -> bool:
+        return bool(host.opt(OPT_VAE_CLIP, True))
+
     def preset_for(self, family: str) -> str:
         """The settings' default preset, or the family's default (SDXL static 1024 ...)."""
         value = host.opt(OPT_PRESET, AUTO_PRESET)
@@ -82,13 +110,11 @@ class Controller:
 
     def backend(self):
         """The runtime backend for the settings' choice; raises with the reason when unusable."""
-        from sd_accel.backends.registry import get_backend
-
         cache = self.cache()
         key = (self.backend_name(), str(cache.root))
         with self._lock:
             if key not in self._backend:
-                self._backend[key] = get_backend(key[0], cache_root=cache.root)
+                self._backend[key] = webui_backend(key[0], cache_root=cache.root)
             return self._backend[key]
 
     # ---- engines
@@ -111,34 +137,43 @@ class Controller:
                 engines.close()
             self._engines.clear()
 
-    def loaded(self) -> list[LdmEngines]:
-        """The engines loaded now, one entry per weights id (the running job's counters are on them)."""
+    def loaded(self, component: str | None = COMPONENT) -> list:
+        """The engines loaded now, one entry per weights id (the running job's counters are on
+        them): the UNet's (:class:`LdmEngines`) by default, another component's, or all (None)."""
         with self._lock:
-            return [e for e in self._engines.values() if e is not None]
+            return [e for k, e in self._engines.items() if e is not None and component in (None, k[1])]
 
-    def engines_for(self, wid: str) -> LdmEngines | None:
-        """Usable engines of weights id ``wid`` on the runtime backend, or None."""
+    def engines_for(self, wid: str, component: str = COMPONENT):
+        """Usable engines of weights id ``wid`` for ``component`` on the runtime backend, or None.
+
+        The UNet's come as :class:`LdmEngines` (batch chunks, the fallback setting); the VAE's and
+        the text encoder's as the runtime's ``ComponentEngines``, always falling back to PyTorch.
+        """
         from sd_accel.runtime import engines_for
 
         backend = self.backend()
         cache = self.cache()
-        key = (wid, backend.name, str(cache.root), self._generation)
+        key = (wid, component, backend.name, str(cache.root), self._generation)
+        unet = component == COMPONENT
         with self._lock:
             if key not in self._engines:
-                found = engines_for(cache, backend, wid, COMPONENT, fallback=self.fallback(),
+                found = engines_for(cache, backend, wid, component, fallback=self.fallback() if unet else True,
                                     on_refused=lambda why: self.say_once(f"not loading engine {why}"))
-                self._engines[key] = LdmEngines(wid, found) if found.handles else None
+                if not found.handles:
+                    self._engines[key] = None
+                else:
+                    self._engines[key] = LdmEngines(wid, found) if unet else found
             engines = self._engines[key]
-            if engines is not None:
+            if engines is not None and unet:
                 engines.set_fallback(self.fallback())  # the settings page may have changed it
             return engines
 
-    def engines_or_reason(self, wid: str | None) -> tuple[LdmEngines | None, str | None]:
-        """(engines, None), or (None, why not): never raises, for use inside a UNet call."""
+    def engines_or_reason(self, wid: str | None, component: str = COMPONENT) -> tuple[Any, str | None]:
+        """(engines, None), or (None, why not): never raises, for use inside a model call."""
         if wid is None:
             return None, "the loaded checkpoint has no hash"
         try:
-            return self.engines_for(wid), None
+            return self.engines_for(wid, component), None
         except Exception as exc:  # an unusable backend, an unreadable engine folder ...
             reason = f"engines cannot be loaded: {type(exc).__name__}: {exc}"
             self.say_once(reason)
@@ -163,8 +198,10 @@ class Controller:
                                   "title": meta.get("checkpoint") or ckpt})
         return sorted(out.values(), key=lambda c: c["model_name"])
 
-    def records_for_checkpoint(self, ckpt: str) -> list:
-        return [r for r in self.cache().find(component=COMPONENT)
+    def records_for_checkpoint(self, ckpt: str, component: str | None = COMPONENT) -> list:
+        """Engines built from checkpoint ``ckpt`` (any LoRA set): the UNet's, another component's,
+        or all of them (None)."""
+        return [r for r in self.cache().find(component=component)
                 if r.key.model == f"ckpt-{ckpt}" or r.key.model.startswith(f"ckpt-{ckpt}+")]
 
     # ---- the running job
@@ -172,8 +209,26 @@ class Controller:
     def job_started(self) -> None:
         with self._lock:
             self.job = Job()
-            for engines in self.loaded():
+            for engines in self.loaded(None):
                 engines.reset_stats()
+
+    def weights_for(self, component: str, model=None, for_call: bool = True) -> str | None:
+        """The weights id the VAE halves or the text encoder compute with right now; None also
+        when engines for them are switched off (``for_call``: a call asks, not a build)."""
+        from sd_accel.components.ldm_clip import COMPONENT as CLIP
+        from sd_accel.webui.identity import clip_id, vae_id
+
+        if for_call and not self.vae_clip_enabled():
+            return None
+        model = model if model is not None else host.loaded_model()
+        if model is None:
+            return None
+        ckpt = checkpoint_hash(host.checkpoint_info(model))
+        if ckpt is None:
+            return None
+        if component == CLIP:
+            return clip_id(ckpt, self._text_loras(model), host.additional_modules())
+        return vae_id(ckpt, host.loaded_vae_hash(), host.additional_modules())
 
     def wanted_weights(self, model=None) -> str | None:
         """The weights id the job samples with (checkpoint hash + the job's LoRAs)."""
@@ -183,36 +238,56 @@ class Controller:
             return None
         return weights_id(ckpt, self.job.loras or ())
 
+    def _text_loras(self, model) -> LoraSet:
+        """The LoRAs in the text encoder's weights now: Forge's CLIP patcher carries them (as its
+        UNet patcher does for the UNet); on A1111 the job's tags say (text-encoder strengths)."""
+        from sd_accel.webui.identity import forge_loras
+
+        clip = getattr(getattr(model, "forge_objects", None), "clip", None)
+        patcher = getattr(clip, "patcher", None)
+        if patcher is not None:
+            return forge_loras(patcher)
+        return self.job.te_loras or ()
+
     def job_finished(self) -> str | None:
-        """Print (and return) the job's one-line report, when any UNet call went through us."""
-        stats = [e.stats for e in self.loaded()]
-        engine_calls = sum(s.engine_calls for s in stats)
-        torch_calls = sum(s.torch_calls for s in stats)
-        if not engine_calls and not torch_calls and not self.job.notes:
+        """Print (and return) the job's report, when any call went through us: the UNet's line,
+        then one per other component with engines (VAE decoder, text encoder ...)."""
+        from sd_accel.webui.console import say
+        from sd_accel.webui.stand_ins import LABELS
+
+        lines = []
+        for component in (COMPONENT, *[c for c in LABELS if c != COMPONENT]):
+            stats = [e.stats for e in self.loaded(component)]
+            engine_calls = sum(s.engine_calls for s in stats)
+            torch_calls = sum(s.torch_calls for s in stats)
+            if not engine_calls and not torch_calls and not (component == COMPONENT and self.job.notes):
+                continue
+            reasons: dict[str, int] = {}
+            for s in stats:
+                for why, n in s.fallbacks.items():
+                    reasons[why] = reasons.get(why, 0) + n
+            line = f"sd-accel: {LABELS[component]} calls this job: {engine_calls} on engines, {torch_calls} in PyTorch"
+            if reasons:
+                line += " (" + "; ".join(f"{n}x {why}" for why, n in reasons.items()) + ")"
+            lines.append(line)
+        if not lines:
             return None
-        reasons: dict[str, int] = {}
-        for s in stats:
-            for why, n in s.fallbacks.items():
-                reasons[why] = reasons.get(why, 0) + n
-        line = f"sd-accel: UNet calls this job: {engine_calls} on engines, {torch_calls} in PyTorch"
-        if reasons:
-            line += " (" + "; ".join(f"{n}x {why}" for why, n in reasons.items()) + ")"
-        for note in self.job.notes:
-            line += f"\nsd-accel: {note}"
-        print(line)
-        return line
+        lines.extend(f"sd-accel: {note}" for note in self.job.notes)
+        text = "\n".join(lines)
+        say(text)
+        return text
 
     def note(self, text: str) -> None:
         """A fact about this job for the console, printed once (now and in the job's report)."""
         if text not in self.job.notes:
             self.job.notes.append(text)
-            log.warning("sd-accel: %s", text)
+            log.warning("%s", text)
 
     def say_once(self, text: str) -> None:
         """A warning printed once per process (engines of another GPU, for instance)."""
         if text not in self._said:
             self._said.add(text)
-            log.warning("sd-accel: %s", text)
+            log.warning("%s", text)
 
     def describe_job(self) -> str:
         return describe(self.job.loras or ())

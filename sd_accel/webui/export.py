@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from sd_accel.build import BuildEvent, make_tick
-from sd_accel.components.ldm_unet import COMPONENT, LdmUNetSpec
+from sd_accel.components.ldm_unet import LdmUNetSpec
 from sd_accel.core import InvalidValue
 from sd_accel.profiles import Profile
 from sd_accel.webui import host
@@ -54,7 +54,9 @@ class ExportSource:
         return weights_id(self.ckpt_hash, self.loras)
 
     def describe(self) -> str:
-        return f"{self.title} [{self.ckpt_hash}] with {describe(self.loras)}"
+        """``name [hash] with film (0.8)``; the hash once, whether or not the title has it already."""
+        title = self.title if self.ckpt_hash in self.title else f"{self.title} [{self.ckpt_hash}]".strip()
+        return f"{title} with {describe(self.loras)}"
 
 
 def family_of(model, spec: LdmUNetSpec) -> str:
@@ -125,6 +127,75 @@ def plain_webui_attention() -> Iterator[None]:
             log.warning("attention optimization was %s before the export and is %s after", before, after)
 
 
+def plain_heads_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False):
+    """Multi-head attention as plain ops: MatMul(Q * scale, K^T) -> Softmax -> MatMul on 4-D
+    tensors, the form every backend fuses. The signature of Forge's attention functions
+    (ldm_patched's ``optimized_attention``, Forge 2's ``attention_function``)."""
+    if skip_reshape:  # (B, heads, N, D) already
+        b, _, _, dim_head = q.shape
+    else:
+        b, _, inner = q.shape
+        dim_head = inner // heads
+        q, k, v = (t.reshape(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
+    scores = torch.matmul(q * dim_head**-0.5, k.transpose(-1, -2))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, -torch.finfo(scores.dtype).max)
+        else:
+            while mask.dim() < 4:
+                mask = mask.unsqueeze(1)
+            scores = scores + mask
+    out = torch.matmul(scores.softmax(dim=-1), v)
+    return out.transpose(1, 2).reshape(b, -1, heads * dim_head)
+
+
+def plain_spatial_attention(q, k, v):
+    """The VAE's single-head attention over pixels (q, k, v: B, C, H, W) as plain ops."""
+    b, c, h, w = q.shape
+    q, k, v = (t.reshape(b, 1, c, h * w).transpose(-1, -2) for t in (q, k, v))
+    scores = torch.matmul(q * c**-0.5, k.transpose(-1, -2))
+    out = torch.matmul(scores.softmax(dim=-1), v)
+    return out.transpose(-1, -2).reshape(b, c, h, w)
+
+
+# Forge picks its attention at start-up and calls it through module globals; on a CPU without
+# --attention-pytorch that is the sub-quadratic one, whose ``baddbmm(torch.empty(1, 1, 1), ...,
+# beta=0)`` exports as ``empty * 0 + scores``: the uninitialised constant (NaN or inf as often as
+# not) poisons the whole graph. That was Forge 2024's "latent has NaN/inf" validation failure.
+_FORGE_ATTENTION = (
+    ("ldm_patched.ldm.modules.attention", "optimized_attention", plain_heads_attention),
+    ("ldm_patched.ldm.modules.attention", "optimized_attention_masked", plain_heads_attention),
+    ("backend.nn.unet", "attention_function", plain_heads_attention),
+    ("backend.nn.vae", "attention_function_single_head_spatial", plain_spatial_attention),
+)
+
+
+@contextlib.contextmanager
+def plain_forge_attention(module: torch.nn.Module) -> Iterator[None]:
+    """Forge's attention functions (module globals, and the ``optimized_attention`` each Forge 1
+    VAE ``AttnBlock`` keeps) replaced by plain ones for the block; Forge's own after."""
+    import sys
+
+    saved: list[tuple[object, str, object]] = []  # (module or nn.Module, attribute, Forge's value)
+    for module_name, attr, plain in _FORGE_ATTENTION:
+        owner = sys.modules.get(module_name)
+        if owner is not None and callable(getattr(owner, attr, None)):
+            saved.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, plain)
+    for sub in module.modules():
+        if type(sub).__name__ == "AttnBlock" and callable(sub.__dict__.get("optimized_attention")):
+            saved.append((sub, "optimized_attention", sub.__dict__["optimized_attention"]))
+            sub.__dict__["optimized_attention"] = plain_spatial_attention
+    try:
+        yield
+    finally:
+        for owner, attr, old in reversed(saved):
+            if isinstance(owner, torch.nn.Module):
+                owner.__dict__[attr] = old
+            else:
+                setattr(owner, attr, old)
+
+
 @contextlib.contextmanager
 def no_forward_hooks(module: torch.nn.Module) -> Iterator[None]:
     """Forward pre-hooks of ``module`` and its children lifted for the block (lowvram's
@@ -173,14 +244,27 @@ def preserve_layout(module: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def export_context(unet: torch.nn.Module) -> Iterator[None]:
-    """All of the above, in the order that undoes them cleanly."""
+def module_context(module: torch.nn.Module) -> Iterator[None]:
+    """What one exported module needs undone: its own forward (not sd-accel's stand-in), plain
+    Forge attention, no offload hooks, no checkpointing, and its layout restored after."""
+    from sd_accel.webui.stand_ins import own_forward
+
     with contextlib.ExitStack() as stack:
-        stack.enter_context(preserve_layout(unet))
+        stack.enter_context(preserve_layout(module))
+        stack.enter_context(own_forward(module))
+        stack.enter_context(plain_forge_attention(module))
+        stack.enter_context(no_forward_hooks(module))
+        stack.enter_context(no_checkpointing(module))
+        yield
+
+
+@contextlib.contextmanager
+def export_context(unet: torch.nn.Module) -> Iterator[None]:
+    """All of the above for the UNet, in the order that undoes them cleanly."""
+    with contextlib.ExitStack() as stack:
         stack.enter_context(no_sd_unet())
         stack.enter_context(plain_webui_attention())
-        stack.enter_context(no_forward_hooks(unet))
-        stack.enter_context(no_checkpointing(unet))
+        stack.enter_context(module_context(unet))
         yield
 
 
@@ -203,6 +287,53 @@ def _latent_multiple(artifact_folder, spec: LdmUNetSpec) -> int:
     return 1 if side % 2 else 2**spec.dims.num_upsamplers
 
 
+@dataclass
+class BuildJob:
+    """One component to build: its spec, the weights id its engines are keyed by, the module."""
+
+    component: str  # user-facing: unet, vae_decoder, vae_encoder, clip
+    spec: object
+    weights_id: str
+    module: torch.nn.Module
+    facts: dict
+
+
+def build_jobs(source: ExportSource, components: tuple[str, ...], model, ctl) -> tuple[list[BuildJob], list[str]]:
+    """(what to build, what cannot be built here and why) for the user-facing ``components``."""
+    from sd_accel.components.ldm_clip import LdmClipSpec
+    from sd_accel.components.ldm_vae import LdmVaeDecoderSpec, LdmVaeEncoderSpec
+    from sd_accel.webui.stand_ins import COMPONENTS, find_modules, why_not
+
+    jobs, skipped = [], []
+    found = find_modules(model) if any(c != "unet" for c in components) else {}
+    for name in components:
+        component = COMPONENTS[name]
+        if name == "unet":
+            jobs.append(BuildJob(name, LdmUNetSpec(source.unet), source.weights_id, source.unet,
+                            {"loras": [list(e) for e in source.loras]}))
+            continue
+        module = found.get(component)
+        if module is None:
+            skipped.append(f"{name} ({why_not(component)})")
+            continue
+        if name == "clip":
+            clip_patcher = getattr(getattr(getattr(model, "forge_objects", None), "clip", None), "patcher", None)
+            te_loras = forge_loras(clip_patcher) if clip_patcher is not None else merged_loras(module, "te")
+            saved = ctl.job.te_loras
+            ctl.job.te_loras = te_loras  # A1111: what is merged now (Forge: its patcher, read the same way)
+            try:
+                wid = ctl.weights_for(component, model, for_call=False)
+            finally:
+                ctl.job.te_loras = saved
+            jobs.append(BuildJob(name, LdmClipSpec(module), wid, module,
+                            {"loras": [list(e) for e in te_loras], "lora_text": describe(te_loras)}))
+        else:
+            spec = (LdmVaeDecoderSpec if name == "vae_decoder" else LdmVaeEncoderSpec)(module)
+            jobs.append(BuildJob(name, spec, ctl.weights_for(component, model, for_call=False), module,
+                            {"vae": host.loaded_vae_hash()}))
+    return jobs, skipped
+
+
 def build_loaded(
     profiles: list[Profile],
     cache,
@@ -212,44 +343,77 @@ def build_loaded(
     cancel: threading.Event | None = None,
     validate: bool = True,
     model=None,
+    components: tuple[str, ...] = ("unet",),
+    skipped: list[str] | None = None,
 ) -> list:
-    """Engines for the loaded checkpoint's UNet, one per profile (cached ones are reused).
+    """Engines for the loaded checkpoint's modules (``components``: ``unet``, ``vae_decoder``,
+    ``vae_encoder``, ``clip``), one per component and profile (cached ones are reused).
 
-    Returns the cache records. Raises :class:`~sd_accel.build.BuildCancelled` when ``cancel``
-    is set, :class:`EngineError` when a build or its validation fails.
+    Returns the cache records; ``skipped`` (a list) receives "component (why)" for each component
+    this model has no module for. Raises :class:`~sd_accel.build.BuildCancelled` when ``cancel``
+    is set, :class:`EngineError` when a build or its validation fails. An ONNX export that no
+    engine ended up using (a failed build) is removed again.
     """
-    from sd_accel.backends.registry import get_backend
+    from sd_accel.webui.controller import controller, webui_backend
+    from sd_accel.webui.disk import drop_unneeded
 
-    be = get_backend(backend_name, cache_root=cache.root)
+    be = webui_backend(backend_name, cache_root=cache.root)
     info = be.info()
     precision = default_build_precision(be) if precision in (None, "", "auto") else precision
+    if precision == "int8":
+        raise InvalidValue("precision int8 (static) calibrates on a diffusers pipeline's prompt runs, which the "
+                           "WebUI's models are not; build fp32/fp16/bf16 here, or int8-dynamic on ONNX Runtime")
     if precision not in be.precisions():
         raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
     report = progress or (lambda ev: None)
     records = []
+    made: list[str] = []  # export folders this build used (removed again if no engine needs them)
     with host.queue_lock():
+        model = model if model is not None else host.sd_model()
         source = export_source(model)
-        log.info("sd-accel: building %s engine(s) for %s", len(profiles), source.describe())
-        with export_context(source.unet):
-            spec = LdmUNetSpec(source.unet)
-            for index, profile in enumerate(profiles):
-                tick = make_tick(report, cancel, index, len(profiles), COMPONENT, profile.tag)
-                records.append(_build_one(cache, be, info, spec, source, profile, precision, tick, validate))
+        jobs, cannot = build_jobs(source, tuple(components), model, controller())
+        if skipped is not None:
+            skipped.extend(cannot)
+        total = len(jobs) * len(profiles)
+        log.info("building %d engine(s) (%s) for %s on %s %s, %s", total, ", ".join(j.component for j in jobs),
+                 source.describe(), be.name, info.version, precision)
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(no_sd_unet())
+                stack.enter_context(plain_webui_attention())
+                index = 0
+                for job in jobs:
+                    job_precision = precision
+                    if job.component.startswith("vae") and precision in ("fp16", "bf16") and host.cmd_flag("no_half_vae"):
+                        job_precision = "fp32"  # --no-half-vae: the VAE computes in fp32, its engines too
+                    with module_context(job.module):
+                        for profile in profiles:
+                            tick = make_tick(report, cancel, index, total, job.spec.name, profile.tag)
+                            records.append(_build_one(cache, be, info, job, source, profile, job_precision, tick,
+                                                      validate, made))
+                            index += 1
+        finally:
+            drop_unneeded(cache, made)
     return records
 
 
-def _build_one(cache, be, info, spec: LdmUNetSpec, source: ExportSource, profile: Profile, precision: str,
-               tick, validate_it: bool):
+def _build_one(cache, be, info, job: BuildJob, source: ExportSource, profile: Profile, precision: str,
+               tick, validate_it: bool, made: list[str]):
     """:func:`sd_accel.build.build_one`, keyed by the weights id, with the WebUI facts kept."""
     from sd_accel.build import build_one
+    from sd_accel.onnx.export import artifact_dir
+
+    made.append(artifact_dir(job.spec, cache.root).name)
 
     def webui_facts(artifact) -> dict:
-        return {"webui": {
+        facts = {
             "checkpoint": source.title, "model_name": source.model_name, "hash": source.ckpt_hash,
-            "loras": [list(e) for e in source.loras], "family": source.family,
-            "latent_multiple": _latent_multiple(artifact.folder, spec),
-            "weights_fingerprint": artifact.fingerprint, "host": "forge" if host.is_forge() else "a1111",
-        }}
+            "family": source.family, "weights_fingerprint": artifact.fingerprint, "onnx": artifact.folder.name,
+            "host": "forge" if host.is_forge() else "a1111", **job.facts,
+        }
+        if isinstance(job.spec, LdmUNetSpec):
+            facts["latent_multiple"] = _latent_multiple(artifact.folder, job.spec)
+        return {"webui": facts}
 
-    return build_one(cache, be, info, spec, profile, precision, tick, validate_it,
-                     model_id=source.weights_id, record_extra=webui_facts)
+    return build_one(cache, be, info, job.spec, profile, precision, tick, validate_it,
+                     model_id=job.weights_id, record_extra=webui_facts)

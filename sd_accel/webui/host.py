@@ -36,11 +36,36 @@ def shared():
     return module("shared")
 
 
+NO_MODEL_A1111 = ("no checkpoint is loaded in the WebUI yet; it loads with the first generation (or pick one "
+                  "in the checkpoint dropdown)")
+NO_MODEL_FORGE = ("no checkpoint is loaded in Forge yet (Forge loads the selected checkpoint when it first "
+                  "generates); a build loads it first")
+
+
+def loaded_model():
+    """The loaded model, or None, WITHOUT loading one.
+
+    ``shared.sd_model`` is a property on A1111 1.6+ and Forge that loads the selected checkpoint
+    when none is loaded (``sd_models.model_data.get_sd_model()``): reading it while the UI is
+    built made the UI wait for the model, and broke ``--skip-load-model-at-start``. The model
+    data's own attribute is read instead; Forge 2's placeholder (``FakeInitialModel``) counts
+    as no model.
+    """
+    try:
+        data = module("sd_models").model_data
+        model = data.sd_model
+    except (ImportError, AttributeError):  # an older WebUI without model_data: a plain attribute
+        model = getattr(shared(), "sd_model", None)
+    if model is None or getattr(model, "sd_checkpoint_info", None) is None:
+        return None
+    return model
+
+
 def sd_model(required: bool = True):
-    """``shared.sd_model``; :class:`NoModel` when none is loaded and ``required``."""
-    model = getattr(shared(), "sd_model", None)
-    if required and (model is None or getattr(model, "sd_checkpoint_info", None) is None):
-        raise NoModel("no checkpoint is loaded in the WebUI; pick one in the checkpoint dropdown first")
+    """The loaded model (never loads one); :class:`NoModel` when none is loaded and ``required``."""
+    model = loaded_model()
+    if required and model is None:
+        raise NoModel(NO_MODEL_FORGE if is_forge() else NO_MODEL_A1111)
     return model
 
 
@@ -80,6 +105,29 @@ def cmd_flag(name: str) -> bool:
     return bool(getattr(getattr(shared(), "cmd_opts", None), name, False))
 
 
+def forge_flag(name: str) -> bool:
+    """A Forge memory flag (``always_cpu`` ...): Forge 2 parses them in ``backend.args``, Forge 1
+    in ``ldm_patched.modules.args_parser``; read only where Forge has imported them already."""
+    import sys
+
+    for where in ("backend.args", "ldm_patched.modules.args_parser"):
+        args = getattr(sys.modules.get(where), "args", None)
+        if args is not None and getattr(args, name, False):
+            return True
+    return cmd_flag(name)
+
+
+def runs_on_cpu() -> bool:
+    """The WebUI computes on the CPU: Forge's ``--always-cpu``, A1111's ``--use-cpu all``, or a
+    torch without a usable CUDA device."""
+    if forge_flag("always_cpu"):
+        return True
+    use_cpu = getattr(getattr(shared(), "cmd_opts", None), "use_cpu", None) or []
+    if any(str(m).lower() in ("all", "sd") for m in use_cpu):
+        return True
+    return not (torch.version.cuda and torch.cuda.is_available())
+
+
 def opt(key: str, default: Any = None) -> Any:
     """A value from the settings page (``shared.opts``), ``default`` while unset."""
     opts = getattr(shared(), "opts", None)
@@ -116,3 +164,52 @@ def queue_lock():
         import threading
 
         return threading.Lock()
+
+
+def first_stage(model=None):
+    """The LDM autoencoder the WebUI decodes and encodes with: A1111's ``first_stage_model``,
+    Forge's ``forge_objects.vae.first_stage_model``; None when there is none."""
+    model = model if model is not None else sd_model()
+    vae = getattr(getattr(model, "forge_objects", None), "vae", None)
+    if vae is not None and getattr(vae, "first_stage_model", None) is not None:
+        return vae.first_stage_model
+    return getattr(model, "first_stage_model", None)
+
+
+def text_encoder_roots(model=None) -> list:
+    """Where the WebUI keeps its text encoders: A1111's ``cond_stage_model`` (SD 1.x / 2.x) or
+    ``conditioner`` (SDXL), Forge's ``forge_objects.clip.cond_stage_model``."""
+    model = model if model is not None else sd_model()
+    clip = getattr(getattr(model, "forge_objects", None), "clip", None)
+    roots = [getattr(clip, "cond_stage_model", None), getattr(model, "cond_stage_model", None),
+             getattr(model, "conditioner", None)]
+    return [r for r in roots if isinstance(r, torch.nn.Module)]
+
+
+def loaded_vae_hash() -> str | None:
+    """A1111's separately loaded VAE file (``sd_vae.loaded_vae_file``), as its short sha256 (the
+    WebUI's own, cached in its ``cache.json``); None when the checkpoint's own VAE is in use."""
+    try:
+        sd_vae = module("sd_vae")
+    except ImportError:
+        return None
+    if not getattr(sd_vae, "loaded_vae_file", None):
+        return None
+    getter = getattr(sd_vae, "get_loaded_vae_hash", None)
+    value = getter() if callable(getter) else None
+    if not value:  # an older WebUI: name the file instead (size and name are enough to tell two apart)
+        path = Path(sd_vae.loaded_vae_file)
+        size = path.stat().st_size if path.exists() else 0
+        import hashlib
+
+        value = hashlib.sha256(f"{path.name}:{size}".encode()).hexdigest()
+    return str(value)[:10].lower()
+
+
+def additional_modules() -> tuple[str, ...]:
+    """Forge 2's extra VAE / text-encoder files loaded with the checkpoint (``forge_additional_modules``)."""
+    try:
+        params = module("sd_models").model_data.forge_loading_parameters
+    except (ImportError, AttributeError):
+        return ()
+    return tuple(str(m) for m in (params or {}).get("additional_modules") or ())

@@ -57,22 +57,24 @@ def _sorted(entries) -> LoraSet:
     return tuple(sorted((e for e in entries if e is not None), key=lambda e: (e[0], e[1], e[2] or 0)))
 
 
-def merged_loras(unet: torch.nn.Module) -> LoraSet:
-    """LoRAs the A1111 Lora extension has merged into ``unet``'s weights right now."""
+def merged_loras(module: torch.nn.Module, part: str = "unet") -> LoraSet:
+    """LoRAs the A1111 Lora extension has merged into ``module``'s weights right now, with their
+    strength for ``part``: ``"unet"`` (the UNet) or ``"te"`` (the text encoder)."""
     found: set = set()
-    for sub in unet.modules():
+    for sub in module.modules():
         names = getattr(sub, "network_current_names", None) or getattr(sub, "lora_current_names", None)
         for item in names or ():
             item = tuple(item)
             if len(item) >= 4:  # (name, te_multiplier, unet_multiplier, dyn_dim)
-                found.add(_entry(item[0], item[2], item[3]))
+                found.add(_entry(item[0], item[2] if part == "unet" else item[1], item[3]))
             elif len(item) >= 2:  # before 1.5: (name, multiplier)
                 found.add(_entry(item[0], item[1], None))
     return _sorted(found)
 
 
-def _params_lora(params: Any) -> tuple[str, float, int | None] | None:
-    """One ``<lora:...>`` tag (an ``ExtraNetworkParams``) as the Lora extension reads it."""
+def _params_lora(params: Any, part: str = "unet") -> tuple[str, float, int | None] | None:
+    """One ``<lora:...>`` tag (an ``ExtraNetworkParams``) as the Lora extension reads it, with its
+    strength for ``part`` (``"unet"`` or ``"te"``)."""
     positional = list(getattr(params, "positional", None) or getattr(params, "items", None) or [])
     named = dict(getattr(params, "named", None) or {})
     if not positional:
@@ -83,11 +85,12 @@ def _params_lora(params: Any) -> tuple[str, float, int | None] | None:
     unet = float(named.get("unet", unet))
     dyn = positional[3] if len(positional) > 3 else None
     dyn = named.get("dyn", dyn)
-    return _entry(positional[0], unet, dyn)
+    return _entry(positional[0], unet if part == "unet" else te, dyn)
 
 
-def job_loras(extra_network_data: dict | None) -> tuple[LoraSet, list[str]]:
-    """(LoRAs of the job, other extra-network kinds it uses) from ``p.extra_network_data``.
+def job_loras(extra_network_data: dict | None, part: str = "unet") -> tuple[LoraSet, list[str]]:
+    """(LoRAs of the job with their ``part`` strengths, other extra-network kinds it uses) from
+    ``p.extra_network_data``.
 
     Other kinds (hypernetworks above all) patch attention at run time; an engine cannot carry
     them, so the caller runs such jobs in PyTorch.
@@ -97,7 +100,7 @@ def job_loras(extra_network_data: dict | None) -> tuple[LoraSet, list[str]]:
         if not params_list:
             continue
         if kind in LORA_KINDS:
-            loras.extend(_params_lora(p) for p in params_list)
+            loras.extend(_params_lora(p, part) for p in params_list)
         else:
             others.append(kind)
     return _sorted(loras), sorted(others)
@@ -133,6 +136,34 @@ def weights_id(ckpt_hash: str, loras: LoraSet = ()) -> str:
         return f"ckpt-{ckpt_hash}"
     blob = json.dumps([list(e) for e in loras], sort_keys=True).encode()
     return f"ckpt-{ckpt_hash}+lora-{hashlib.sha256(blob).hexdigest()[:8]}"
+
+
+def _digest(items) -> str:
+    return hashlib.sha256(json.dumps(list(items), sort_keys=True).encode()).hexdigest()[:8]
+
+
+def modules_suffix(modules: tuple[str, ...] = ()) -> str:
+    """``+mods-<8 hex>`` over Forge 2's additional modules (VAE / text encoder files), else ""."""
+    return f"+mods-{_digest(sorted(Path(m).name for m in modules))}" if modules else ""
+
+
+def vae_id(ckpt_hash: str, vae_hash: str | None = None, modules: tuple[str, ...] = ()) -> str:
+    """The VAE's weights id: ``vae-<10 hex>`` for a separate VAE file (A1111's ``sd_vae``; the
+    same engine then serves every checkpoint that uses it), else the checkpoint's own VAE,
+    ``ckpt-<hash>`` (plus Forge 2's additional modules).
+
+    >>> vae_id("0123456789"), vae_id("0123456789", "abcdef0123")
+    ('ckpt-0123456789', 'vae-abcdef0123')
+    """
+    if vae_hash:
+        return f"vae-{vae_hash}"
+    return f"ckpt-{ckpt_hash}{modules_suffix(modules)}"
+
+
+def clip_id(ckpt_hash: str, te_loras: LoraSet = (), modules: tuple[str, ...] = ()) -> str:
+    """The text encoder's weights id: the checkpoint's, plus the LoRAs merged into the text
+    encoder (their text-encoder strengths), plus Forge 2's additional modules."""
+    return weights_id(ckpt_hash, te_loras).replace(f"ckpt-{ckpt_hash}", f"ckpt-{ckpt_hash}{modules_suffix(modules)}", 1)
 
 
 def describe(loras: LoraSet) -> str:

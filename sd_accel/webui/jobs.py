@@ -28,7 +28,9 @@ def never_raise(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except Exception:
-            print(f"sd-accel: {fn.__name__} failed; this job continues without it:\n{traceback.format_exc()}")
+            from sd_accel.webui.console import say
+
+            say(f"{fn.__name__} failed; this job continues without it:\n{traceback.format_exc()}")
             return None
 
     return wrapper
@@ -39,8 +41,15 @@ def never_raise(fn: Callable) -> Callable:
 
 @never_raise
 def job_started(p) -> None:
-    """``Script.process``: a new job; per-job counters and warnings start afresh."""
-    controller().job_started()
+    """``Script.process``: a new job; per-job counters and warnings start afresh, and the VAE and
+    text encoder get their engine forwards (once per model; before img2img encodes its image)."""
+    from sd_accel.webui.stand_ins import install
+
+    ctl = controller()
+    ctl.job_started()
+    model = getattr(p, "sd_model", None) or host.loaded_model()
+    if model is not None:
+        install(model, ctl)
 
 
 @never_raise
@@ -50,6 +59,7 @@ def batch_started(p, **kwargs: Any) -> None:
     data = getattr(p, "extra_network_data", None) or kwargs.get("extra_network_data")
     loras, others = job_loras(data)
     ctl.job.loras = loras
+    ctl.job.te_loras = job_loras(data, "te")[0]
     ctl.job.torch_only = (f"extra networks an engine cannot carry ({', '.join(others)}) run in PyTorch"
                           if others else None)
 
@@ -89,19 +99,47 @@ def _is_loaded(name: str, info) -> bool:
 
 
 def load_checkpoint(name: str | None) -> None:
-    """Make ``name`` (title, file name, model name or hash) the loaded checkpoint (A1111)."""
-    model = host.sd_model(required=False)
-    info = getattr(model, "sd_checkpoint_info", None)
-    if not name or (info is not None and _is_loaded(name, info)):
-        return
+    """Make ``name`` (title, file name, model name or hash; None: the one selected in the WebUI)
+    the loaded checkpoint, with the WebUI's own loading functions.
+
+    A1111 and Forge 1 load the selected checkpoint on first use of ``shared.sd_model``
+    (``model_data.get_sd_model()``; not yet under ``--skip-load-model-at-start``) and switch with
+    ``reload_model_weights``. Forge 2 loads only when it generates: ``forge_model_reload()``
+    loads what its checkpoint dropdown selects, ``main_entry.checkpoint_change`` selects another.
+    """
+    from sd_accel.webui.console import say
+
     sd_models = host.module("sd_models")
-    match = sd_models.get_closet_checkpoint_match(name)  # sic: the WebUI's spelling
-    if match is None:
-        raise BuildRefused(404, f"no checkpoint matches {name!r}")
-    if host.is_forge():
-        raise BuildRefused(409, f"load {match.title} in the WebUI first: Forge loads checkpoints when it samples")
+    model = host.loaded_model()
+    info = getattr(model, "sd_checkpoint_info", None)
+    if info is not None and (not name or _is_loaded(name, info)):
+        return
+    match = None
+    if name:
+        match = sd_models.get_closet_checkpoint_match(name)  # sic: the WebUI's spelling
+        if match is None:
+            raise BuildRefused(404, f"no checkpoint matches {name!r}; GET /sdapi/v1/sd-models lists them")
+    what = getattr(match, "title", None) or "the selected checkpoint"
+    say(f"loading {what} for the build (the WebUI had {'another' if model is not None else 'none'} loaded)")
     with host.queue_lock():
-        sd_models.reload_model_weights(info=match)
+        reload = getattr(sd_models, "forge_model_reload", None)
+        if callable(reload):  # Forge 2
+            if match is not None:
+                from modules_forge import main_entry
+
+                main_entry.checkpoint_change(match.title)
+            reload()
+        elif match is not None:
+            sd_models.reload_model_weights(info=match)
+        else:
+            data = getattr(sd_models, "model_data", None)
+            if data is not None and callable(getattr(data, "get_sd_model", None)):
+                data.get_sd_model()
+            else:
+                getattr(host.shared(), "sd_model", None)
+    if host.loaded_model() is None:
+        raise BuildRefused(409, "the WebUI could not load a checkpoint (see its console); pick one in the "
+                                "checkpoint dropdown and generate once, then build")
 
 
 def profiles_for(preset: str | None, profile: dict | None, family: str, ctl: Controller) -> list[Profile]:
@@ -114,11 +152,16 @@ def profiles_for(preset: str | None, profile: dict | None, family: str, ctl: Con
 
 def build_for_checkpoint(checkpoint: str | None = None, preset: str | None = None, profile: dict | None = None,
                          backend: str = "auto", precision: str = "auto", ctl: Controller | None = None,
-                         progress=None, cancel=None) -> list:
-    """Build engines for ``checkpoint`` (default: the loaded one) and tell the WebUI."""
+                         progress=None, cancel=None, components=None, skipped: list | None = None) -> list:
+    """Build engines for ``checkpoint`` (default: the loaded one, or the selected one loaded
+    first) and tell the WebUI. ``components``: user-facing names (``unet``, ``vae_decoder``,
+    ``vae_encoder``, ``clip``; default :data:`DEFAULT_COMPONENTS`); ``skipped`` receives
+    "component (why)" for those this model has no module for."""
     from sd_accel.webui.export import build_loaded, export_source
 
     ctl = ctl or controller()
+    wanted = components_of(components)
+    profiles_for(preset, profile, "sd15", ctl)  # a bad request is refused before any model is loaded
     load_checkpoint(checkpoint)
     try:
         family = export_source().family
@@ -127,6 +170,21 @@ def build_for_checkpoint(checkpoint: str | None = None, preset: str | None = Non
     profiles = profiles_for(preset, profile, family, ctl)
     backend = ctl.backend_name() if backend in (None, "", "auto") else backend
     try:
-        return build_loaded(profiles, ctl.cache(), backend, precision, progress=progress, cancel=cancel)
+        return build_loaded(profiles, ctl.cache(), backend, precision, progress=progress, cancel=cancel,
+                            components=wanted, skipped=skipped)
     finally:
         ctl.engines_changed()
+
+
+DEFAULT_COMPONENTS = ("unet", "vae_decoder", "clip")
+
+
+def components_of(components) -> tuple[str, ...]:
+    """User-facing component names checked (``unet``, ``vae_decoder``, ``vae_encoder``, ``clip``)."""
+    from sd_accel.webui.stand_ins import COMPONENTS
+
+    wanted = tuple(DEFAULT_COMPONENTS if components is None else components)
+    unknown = [c for c in wanted if c not in COMPONENTS]
+    if unknown or not wanted:
+        raise InvalidValue(f"components {unknown or '[]'}: pick from {', '.join(COMPONENTS)}")
+    return wanted

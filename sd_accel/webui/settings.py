@@ -12,6 +12,7 @@ from sd_accel.webui.controller import (
     OPT_FALLBACK,
     OPT_FORGE,
     OPT_PRESET,
+    OPT_VAE_CLIP,
 )
 
 SECTION = ("sd_accel", "sd-accel")
@@ -27,11 +28,13 @@ def on_ui_settings() -> None:
         (OPT_ENGINE_DIR, info("", f"Engine directory (empty: {host.default_engine_dir()})", section=SECTION)),
         (OPT_FALLBACK, info(True, "Run the PyTorch UNet for calls no engine covers (off: such a call "
                                   "stops the job with the reason)", section=SECTION)),
+        (OPT_VAE_CLIP, info(True, "Use engines for the VAE and the CLIP text encoder where they cover the call",
+                            section=SECTION)),
         (OPT_PRESET, info(AUTO_PRESET, "Default engine preset (tab and API)", gr.Dropdown,
                           {"choices": [AUTO_PRESET, *PRESETS]}, section=SECTION)),
-        (OPT_BACKEND, info("auto", "Engine backend (auto: TensorRT on NVIDIA GPUs where it imports, "
-                                   "else ONNX Runtime)", gr.Dropdown, {"choices": list(BACKENDS)},
-                           section=SECTION)),
+        (OPT_BACKEND, info("auto", "Engine backend (auto: the fastest usable here, as `sd-accel doctor` "
+                                   "lists them: TensorRT on NVIDIA GPUs, the CPU backends elsewhere)",
+                           gr.Dropdown, {"choices": list(BACKENDS)}, section=SECTION)),
     ]
     if host.is_forge():
         options.append((OPT_FORGE, info(True, "Use engines when sampling (Forge)", section=SECTION)))

@@ -1,11 +1,14 @@
-"""The sd-accel tab inside the WebUI: a status box over the panel (:func:`sd_accel.ui.panel.build_panel`).
+"""The sd-accel tab inside the WebUI: the panel (:func:`sd_accel.ui.panel.build_panel`) as the
+WebUI needs it.
 
-The panel runs on the WebUI's own Gradio (3.41 on A1111 1.x, 4.x on Forge). Its Model box
-starts at ``webui:loaded``: Build then exports the UNet the WebUI has loaded (its weights, LoRA
-merged included) instead of loading a diffusers model, and the engines appear in the SD-UNet
-list (A1111) or are used by the next generation (Forge). Any diffusers model path still works
-as in the standalone app. The tab never fails to appear: an error while building it gives a tab
-that shows the error and how to fix it (a vanished tab was the old extension's worst bug).
+The panel runs on the WebUI's own Gradio (3.41 on A1111 1.x, 4.x on Forge). In the WebUI it opens
+on Engines (the WebUI has its own txt2img, so there is no Generate tab), and Build exports the
+modules the WebUI has loaded (UNet, VAE decoder / encoder, CLIP text encoder; LoRA merges
+included): the engines appear in the SD-UNet list (A1111) or are used by the next generation
+(Forge), the VAE and text encoder on every call. The status box over the tabs is computed on
+each page load, Refresh, build and delete, never while the UI is built (that would load the
+model). The tab never fails to appear: an error while building it gives a tab that shows the
+error and how to fix it (a vanished tab was the old extension's worst bug).
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ import logging
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from sd_accel.components.ldm_unet import COMPONENT
 from sd_accel.core import InvalidValue
 from sd_accel.ui.state import BuildRequest, GenerateRequest, PanelState
 from sd_accel.webui import host
 from sd_accel.webui.controller import OPT_BACKEND, OPT_ENGINE_DIR, controller
+from sd_accel.webui.jobs import DEFAULT_COMPONENTS
+from sd_accel.webui.stand_ins import COMPONENTS
+
+WEBUI_COMPONENTS = tuple(COMPONENTS)  # unet, vae_decoder, vae_encoder, clip
 
 log = logging.getLogger("sd_accel")
 
@@ -35,23 +41,68 @@ def is_webui_model(model: str | None) -> bool:
 
 @dataclass
 class WebUIPanelState(PanelState):
-    """The panel's state with the WebUI's loaded checkpoint as the default model."""
+    """The panel as the WebUI shows it: no Generate tab (the WebUI has txt2img), no Model box
+    (builds export the WebUI's loaded checkpoint), the components the WebUI path builds, the
+    status box over the tabs, full weights ids in the table, and the ONNX exports in the disk line."""
 
     model: str = WEBUI_MODEL
+    show_generate: bool = field(default=False, init=False, repr=False)
+    show_model: bool = field(default=False, init=False, repr=False)
+    component_choices: tuple[str, ...] = field(default=WEBUI_COMPONENTS, init=False, repr=False)
+    default_components: tuple[str, ...] = field(default=DEFAULT_COMPONENTS, init=False, repr=False)
+    components_label: str = field(
+        default="Components (the WebUI's UNet, VAE decoder / encoder (img2img) and CLIP text encoder)",
+        init=False, repr=False)
 
     def cache(self):
         return controller().cache()
 
     @property
     def default_preset(self) -> str:
-        """The settings' default preset, else the loaded model family's (for the preset picker)."""
+        """The settings' default preset, else the loaded model family's (never loads a model)."""
         from sd_accel.webui.export import export_source
 
-        try:
-            family = export_source().family
-        except Exception:  # no model yet: the SD 1.x default
-            family = "sd15"
+        family = "sd15"
+        if host.loaded_model() is not None:
+            try:
+                family = export_source().family
+            except Exception:  # an unusual model: the SD 1.x default
+                family = "sd15"
         return controller().preset_for(family)
+
+    def status(self) -> str:
+        return status_markdown()
+
+    def engine_rows(self) -> list[list[str]]:
+        """As the panel's, with the whole weights id (``ckpt-<10 hex>[+lora-<8 hex>]``)."""
+        from sd_accel.ui.state import ENGINE_HEADERS, engine_rows
+
+        column = ENGINE_HEADERS.index("model")
+        records = {r.name: r for r in self.cache().list()}
+        rows = engine_rows(self.cache())
+        for row in rows:
+            record = records.get(row[-1])
+            if record is not None:
+                row[column] = record.key.model
+        return rows
+
+    def disk_usage(self) -> str:
+        from sd_accel.webui.disk import disk_line
+
+        return disk_line(self.cache())
+
+    def delete(self, name: str) -> str:
+        """As the panel's, and the ONNX export no engine needs any more goes with it."""
+        from sd_accel.webui.disk import delete_engine
+
+        name = (name or "").strip()
+        if not name:
+            return "Pick an engine to delete first."
+        if not any(r.name == name for r in self.cache().list()):
+            return f"No engine named `{name}` (already deleted?)."
+        removed = delete_engine(self.cache(), name)
+        self.engines_changed()
+        return f"Deleted `{name}`." + (f" Removed its ONNX export ({', '.join(removed)})." if removed else "")
 
     def engines_changed(self) -> None:
         super().engines_changed()
@@ -81,32 +132,33 @@ class WebUIPanelState(PanelState):
         return super().generate(req)
 
     def rebuild_request(self, record, model: str) -> BuildRequest:
-        """The WebUI's UNet engines are rebuilt from the loaded checkpoint, whatever the Model box says."""
+        """The WebUI's engines are rebuilt from the loaded checkpoint, whatever the Model box says."""
         req = super().rebuild_request(record, model)
-        if record.key.component == COMPONENT:
+        user_name = {v: k for k, v in COMPONENTS.items()}.get(record.key.component)
+        if user_name is not None:
             req.model = WEBUI_MODEL
+            req.components = (user_name,)
         return req
 
     def build_records(self, req: BuildRequest, replace, cancel: threading.Event, progress) -> tuple[list, list[str]]:
-        """The WebUI's model: export its UNet. Other models: the panel's diffusers path."""
+        """The WebUI's model: export its modules. Other models: the panel's diffusers path."""
         if not is_webui_model(req.model):
-            if replace is not None and replace.key.component == COMPONENT:
-                raise InvalidValue(f"that engine is the WebUI's UNet: set the Model box to {WEBUI_MODEL} to rebuild it")
+            if replace is not None and replace.key.component in COMPONENTS.values():
+                raise InvalidValue(f"that engine is the WebUI's: set the Model box to {WEBUI_MODEL} to rebuild it")
             return super().build_records(req, replace, cancel, progress)
-        from sd_accel.webui.export import export_source
+        from sd_accel.webui.console import console_progress
         from sd_accel.webui.jobs import build_for_checkpoint
 
-        skipped = [c for c in req.components if c not in ("unet", COMPONENT)]
+        wanted = tuple(c for c in req.components if c in COMPONENTS)
+        skipped = [f"{c} (not a component of the WebUI's model)" for c in req.components if c not in COMPONENTS]
         if replace is not None:
-            wid = export_source().weights_id
-            if replace.key.model != wid:
-                raise InvalidValue(f"engine {replace.name} is for other weights ({replace.key.model}); "
-                                 f"the WebUI has {wid} loaded")
             self.cache().delete(replace.name)
+        not_built: list[str] = []
         records = build_for_checkpoint(None, profile=req.profile, backend=req.backend or self.backend,
-                                       precision=self.build_precision(req.precision), progress=progress,
-                                       cancel=cancel)
-        return records, (["the WebUI's text encoders and VAE stay in PyTorch"] if skipped else [])
+                                       precision=self.build_precision(req.precision), cancel=cancel,
+                                       progress=console_progress("tab build", progress), components=wanted,
+                                       skipped=not_built)
+        return records, skipped + not_built
 
 
 # --------------------------------------------------------------------------- status
@@ -114,70 +166,109 @@ class WebUIPanelState(PanelState):
 
 def _backend_lines() -> list[str]:
     ctl = controller()
-    lines = []
     try:
         backend = ctl.backend()
         info = backend.info()
-        lines.append(f"Engines run on **{info.name} {info.version}** ({info.arch}).")
-        backend_ok = True
+        default = backend.default_precision()
     except Exception as exc:  # the configured backend cannot run here
-        lines.append(f"**The {ctl.backend_name()} backend cannot run here**: {exc}")
-        backend_ok = False
-        info = None
-    if info is None or info.name != "tensorrt":
-        try:
-            from sd_accel.backends.tensorrt.builder import trt_status
+        return [f"**The {ctl.backend_name()} backend cannot run here**: {exc}"]
+    return [f"Engines run on **{info.name} {info.version}** ({info.arch}); builds default to {default}."]
 
-            usable, version, why = trt_status()
-        except Exception as exc:  # a broken TensorRT install must not hide the tab
-            usable, version, why = False, "", f"{type(exc).__name__}: {exc}"
-        if not usable:
-            lines.append(f"TensorRT is not usable: {why}. To fix it, install it into the WebUI's Python "
-                         f"(`\"{sys.executable}\" -m pip install tensorrt-cu12 polygraphy`, or restart with "
-                         "`SD_ACCEL_INSTALL_TENSORRT=1` set) and restart the WebUI.")
-        elif backend_ok:
-            lines.append(f"TensorRT {version} is usable: set the backend to auto or tensorrt in Settings.")
-    return lines
+
+def _cpu_backends_line() -> str:
+    """What the CPU backends give, and which are installed."""
+    from sd_accel.backends.registry import describe
+
+    rows = {r["name"]: r for r in describe()}
+    parts = []
+    ov = rows.get("openvino", {})
+    if ov.get("usable"):
+        bf16 = "bf16" in (ov.get("precisions") or [])
+        parts.append("**OpenVINO** (the fastest here: " + ("bf16 on this CPU's AMX / AVX512-BF16" if bf16 else
+                     "fp32; bf16 needs a CPU with AVX512-BF16 or AMX") + ")")
+    else:
+        parts.append(f"OpenVINO, the fastest CPU backend (bf16 on CPUs with AMX / AVX512-BF16), is not installed: "
+                     f"restart the WebUI (the extension's install.py installs it) or run "
+                     f"`\"{sys.executable}\" -m pip install openvino`")
+    ort = rows.get("onnxruntime", {})
+    parts.append("**ONNX Runtime** (fp32, int8-dynamic)" if ort.get("usable") else
+                 "ONNX Runtime is not installed (`pip install onnxruntime`)")
+    return "This WebUI computes on the CPU; its engine backends: " + "; ".join(parts) + ". TensorRT needs an NVIDIA GPU."
+
+
+def _advice_lines() -> list[str]:
+    """What would make engines faster here, and only what can work here (issue: TensorRT advice
+    on a CPU build of torch). CPU: the CPU backends. An NVIDIA GPU: the one TensorRT package for
+    torch's CUDA, when TensorRT is not usable."""
+    import torch
+
+    if host.runs_on_cpu():
+        return [_cpu_backends_line()]
+    try:
+        from sd_accel.backends.tensorrt.builder import trt_status
+
+        usable, version, why = trt_status()
+    except Exception as exc:  # a broken TensorRT install must not hide the tab
+        usable, version, why = False, "", f"{type(exc).__name__}: {exc}"
+    if usable:
+        return [f"TensorRT {version} is usable: the `auto` backend uses it."]
+    cuda = str(torch.version.cuda or "").split(".")[0]
+    reason = why.split(";")[0].split(": `pip")[0]
+    return [f"TensorRT is not usable ({reason}). For torch's CUDA {torch.version.cuda}, install `tensorrt-cu{cuda}`: "
+            f"restart the WebUI (the extension's install.py installs it) or run "
+            f"`\"{sys.executable}\" -m pip install tensorrt-cu{cuda} polygraphy`, then restart."]
 
 
 def _model_lines() -> list[str]:
     from sd_accel.webui.export import export_source
 
     ctl = controller()
-    try:
-        source = export_source()
-    except host.NoModel as exc:
-        return [str(exc)]
-    records = ctl.records_for_checkpoint(source.ckpt_hash)
-    mine = [r for r in records if r.key.model == source.weights_id]
-    line = f"Loaded: **{source.describe()}** ({source.family}); {len(mine)} engine(s) for these weights"
-    if len(records) > len(mine):
-        line += f", {len(records) - len(mine)} for other LoRA sets"
+    model = host.loaded_model()
+    if model is None:
+        return [host.NO_MODEL_FORGE if host.is_forge() else host.NO_MODEL_A1111]
+    source = export_source(model)
+    records = ctl.records_for_checkpoint(source.ckpt_hash, component=None)
+    unet = [r for r in records if r.key.model == source.weights_id and r.key.component == "ldm_unet"]
+    others = {}
+    for r in records:
+        if r.key.component != "ldm_unet" and r.status == "ok":
+            others[r.key.component] = others.get(r.key.component, 0) + 1
+    line = f"Loaded: **{source.describe()}** ({source.family}); {len(unet)} UNet engine(s) for these weights"
+    lora_sets = len([r for r in records if r.key.component == "ldm_unet"]) - len(unet)
+    if lora_sets:
+        line += f", {lora_sets} for other LoRA sets"
+    if others:
+        from sd_accel.webui.stand_ins import LABELS
+
+        line += "; " + ", ".join(f"{n} {LABELS.get(c, c)}" for c, n in sorted(others.items()))
     return [line + "."]
 
 
 def _flag_lines() -> list[str]:
     lines = []
     if host.is_forge():
-        lines.append("Forge: engines are patched into the UNet before each sampling pass (no SD-UNet entry).")
+        lines.append("Forge: engines are patched into the UNet before each sampling pass (no SD-UNet entry); "
+                     "the VAE and text encoder use theirs on every call.")
     else:
-        lines.append("A1111: pick `Automatic` or `[sd-accel] <checkpoint>` as SD Unet (Settings, or quick settings).")
+        lines.append("A1111: pick `Automatic` or `[sd-accel] <checkpoint>` as SD Unet (Settings, or quick "
+                     "settings); the VAE and text encoder use their engines on every call.")
     if host.cmd_flag("medvram") or host.cmd_flag("lowvram"):
         lines.append("--medvram/--lowvram: exports lift the WebUI's offload hooks and trace on one device, then "
                      "put every block back where it was.")
     if host.cmd_flag("xformers"):
         lines.append("--xformers: attention is switched to plain for the export and back after.")
     if host.cmd_flag("no_half_vae"):
-        lines.append("--no-half-vae: the VAE stays in PyTorch as the WebUI set it; only the UNet uses engines.")
+        lines.append("--no-half-vae: VAE engines are built in fp32, whatever precision the others use.")
     return lines
 
 
 def status_markdown() -> str:
-    """The status box: backend, TensorRT (why not, how to fix), loaded checkpoint, flags."""
+    """The status box: backend, what would be faster here, loaded checkpoint, flags. Never loads
+    or waits for a model: computed on page load, Refresh, and after builds and deletes."""
     import sd_accel
 
     parts = [f"**sd-accel {sd_accel.__version__}**"]
-    for section in (_backend_lines, _model_lines, _flag_lines):
+    for section in (_backend_lines, _advice_lines, _model_lines, _flag_lines):
         try:
             parts.extend(section())
         except Exception as exc:  # one failing line must not take the status (or the tab) down
@@ -189,18 +280,18 @@ def status_markdown() -> str:
 
 
 def make_tab():
-    """The tab's ``gr.Blocks``: status box with a Refresh button, then the panel."""
+    """The tab's ``gr.Blocks``: the panel with its status box, opening on Engines.
+
+    Nothing here reads the model: the status and the engine table are filled by the page's load
+    event (and by Refresh, builds and deletes), so building the UI never loads or waits for a
+    checkpoint (``--skip-load-model-at-start`` keeps working)."""
     import gradio as gr
 
     from sd_accel.ui.panel import build_panel
 
-    ctl = controller()
-    state = WebUIPanelState(backend=ctl.backend_name())
+    state = WebUIPanelState(backend=controller().backend_name())
     with gr.Blocks(analytics_enabled=False) as tab:
-        status = gr.Markdown(status_markdown(), elem_id="sd-accel-webui-status")
-        refresh = gr.Button("Refresh status", elem_id="sd-accel-webui-refresh")
         build_panel(state)
-        refresh.click(status_markdown, None, status, queue=False)
     return tab
 
 

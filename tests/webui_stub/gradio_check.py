@@ -43,9 +43,18 @@ def check_webui(forge: bool) -> str:
         settings = webui.demo.sd_stub_settings
         assert {"sd_accel_engine_dir", "sd_accel_default_preset", "sd_accel_backend"} <= set(settings), settings
         config = served_config(webui.demo)
-        for elem_id in ("sd-accel-webui-status", "sd-accel-build", "sd-accel-engines", "setting_sd_accel_backend"):
+        for elem_id in ("sd-accel-status", "sd-accel-build", "sd-accel-engines", "setting_sd_accel_backend"):
             assert elem_id in config, f"{elem_id} missing from the served config"
-        return f"{len(config)} bytes of config, {len(settings)} settings"
+        assert "sd-accel-tab-generate" not in config  # the WebUI has its own txt2img
+        # The status box is filled by the page's load event, never while the UI is built.
+        import gradio_events
+
+        loads = gradio_events.find(webui.demo, "load", output="sd-accel-status")
+        assert loads, "no load event fills the status box"
+        out = loads[0].fn()
+        status = dict(zip(loads[0].outputs, out, strict=True))["sd-accel-status"]
+        assert status.startswith("**sd-accel "), status[:200]
+        return f"{len(config)} bytes of config, {len(settings)} settings, status on load"
     finally:
         harness.purge()
 

@@ -48,6 +48,11 @@ class WebUI:
         p = self.processing.StableDiffusionProcessingTxt2Img(scripts=self.scripts.scripts_txt2img, **kwargs)
         return self.processing.process_images(p)
 
+    def img2img(self, init_images, **kwargs):
+        p = self.processing.StableDiffusionProcessingImg2Img(init_images=init_images,
+                                                            scripts=self.scripts.scripts_txt2img, **kwargs)
+        return self.processing.process_images(p)
+
     def client(self):
         from fastapi.testclient import TestClient
 
@@ -61,9 +66,12 @@ def make_checkpoint(folder: Path, name: str, family: str = "sd15", seed: int = 0
     return path
 
 
-def start(tmp: Path, forge: bool = False, argv: tuple[str, ...] = (), family: str = "sd15",
-          engine_dir: Path | None = None, options: dict | None = None) -> WebUI:
-    """The stub WebUI with the extension loaded and a tiny checkpoint of ``family`` loaded."""
+def start(tmp: Path, forge: bool = False, argv: tuple[str, ...] = ("--api",), family: str = "sd15",
+          engine_dir: Path | None = None, options: dict | None = None, load: bool = True) -> WebUI:
+    """The stub WebUI with the extension loaded and a tiny checkpoint of ``family`` registered,
+    started as ``webui.py`` does: the checkpoint loaded at start unless ``load`` is False
+    (``--skip-load-model-at-start``; Forge 2 never loads at start), the UI created, the WebUI's API
+    added with ``--api`` / ``--nowebui``, then ``app_started_callback``."""
     from fastapi import FastAPI
 
     purge()
@@ -84,13 +92,25 @@ def start(tmp: Path, forge: bool = False, argv: tuple[str, ...] = (), family: st
     scripts.load_scripts([str(EXTENSION)])
     scripts.scripts_txt2img.initialize_scripts(is_img2img=False)
     shared.opts.data["sd_accel_engine_dir"] = str(engine_dir or tmp / "engines")
+    # ONNX Runtime fp32 by default: the tests compare engine outputs with PyTorch's within 2e-3, and
+    # ``auto`` on this CPU stand-in would be OpenVINO bf16 (options={"sd_accel_backend": "auto"}).
+    shared.opts.data["sd_accel_backend"] = "onnxruntime"
     for key, value in (options or {}).items():
         shared.opts.data[key] = value
     info = sd_models.register_checkpoint(str(make_checkpoint(tmp / "models", f"tiny-{family}", family)))
-    sd_models.load_model(info)
+    shared.opts.data["sd_model_checkpoint"] = info.title
+    if forge:
+        sd_models.model_data.sd_model = sd_models.FakeInitialModel()
+    if load:
+        sd_models.load_model(info)
     sd_unet.list_unets()
-    demo = ui.create_ui()
+    demo = None if shared.cmd_opts.nowebui else ui.create_ui()
     app = FastAPI()
+    if shared.cmd_opts.api or shared.cmd_opts.nowebui:
+        from modules.api.api import Api
+        from modules.call_queue import queue_lock
+
+        Api(app, queue_lock)
     script_callbacks.app_started_callback(demo, app)
     return WebUI(shared, sd_unet, sd_models, scripts, importlib.import_module("modules.processing"),
                  script_callbacks, demo, app, info, forge)

@@ -22,8 +22,9 @@ from modules import extra_networks, sd_unet, shared
 
 
 class Processed:
-    def __init__(self, p, samples):
+    def __init__(self, p, samples, images=None):
         self.samples = samples
+        self.images = images  # decoded, (N, 3, H, W) in about [-1, 1]
         self.prompt = p.prompt
         self.info = ""
 
@@ -53,6 +54,12 @@ class StableDiffusionProcessing:
     def parse_extra_network_prompts(self):
         self.prompts, self.extra_network_data = extra_networks.parse_prompts(self.prompts)
 
+    def init(self):
+        pass
+
+    def initial_latents(self, n, g):
+        return torch.randn(self.batch_size, 4, self.height // 8, self.width // 8, generator=g) * 2.0
+
 
 class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
     def __init__(self, enable_hr=False, hr_scale=2.0, hr_second_pass_steps=2, **kwargs):
@@ -60,6 +67,26 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         self.enable_hr = enable_hr
         self.hr_scale = hr_scale
         self.hr_second_pass_steps = hr_second_pass_steps
+
+
+class StableDiffusionProcessingImg2Img(StableDiffusionProcessing):
+    """img2img: ``init`` encodes each init image on its own (``images_tensor_to_samples``)."""
+
+    def __init__(self, init_images=None, denoising_strength=0.5, **kwargs):
+        super().__init__(**kwargs)
+        self.init_images = init_images  # (N, 3, H, W) in [0, 1]
+        self.denoising_strength = denoising_strength
+        self.init_latent = None
+
+    def init(self):
+        image = self.init_images * 2 - 1
+        g = torch.Generator().manual_seed(self.seed)
+        self.init_latent = torch.stack([
+            self.sd_model.get_first_stage_encoding(self.sd_model.encode_first_stage(img[None]), g)[0] for img in image])
+
+    def initial_latents(self, n, g):
+        noise = torch.randn(self.init_latent.shape, generator=g)
+        return self.init_latent + noise * self.denoising_strength
 
 
 # --------------------------------------------------------------------------- A1111's denoiser
@@ -132,11 +159,17 @@ def _sample(p, x, steps, cond, uncond):
     return sample_a1111(p, x, steps, cond, uncond)
 
 
+@torch.no_grad()
 def process_images(p):
-    """A txt2img job: every hook in the WebUI's order; returns the final latents."""
+    """A job: every hook in the WebUI's order; the final latents, and the images decoded one by one."""
+    if importlib.util.find_spec("modules_forge") is not None:
+        from modules import sd_models
+
+        p.sd_model, _ = sd_models.forge_model_reload()  # Forge 2 loads the checkpoint here
     p.setup_prompts()
     if p.scripts is not None:
         p.scripts.process(p)
+    p.init()
     if importlib.util.find_spec("modules_forge") is None:
         sd_unet.apply_unet()
     samples = []
@@ -153,7 +186,7 @@ def process_images(p):
         cond = p.sd_model.get_learned_conditioning(p.prompts)
         uncond = p.sd_model.get_learned_conditioning(p.negative_prompts)
         g = torch.Generator().manual_seed(p.seed + n)
-        x = torch.randn(p.batch_size, 4, p.height // 8, p.width // 8, generator=g) * 2.0
+        x = p.initial_latents(n, g)
         x = _sample(p, x, p.steps, cond, uncond)
         if getattr(p, "enable_hr", False):
             if p.scripts is not None:
@@ -162,7 +195,10 @@ def process_images(p):
             x = F.interpolate(x, size=size, mode="nearest") + torch.randn(x.shape[0], 4, *size, generator=g) * 0.5
             x = _sample(p, x, p.hr_second_pass_steps, cond, uncond)
         samples.append(x)
-    processed = Processed(p, torch.cat(samples))
+    samples = torch.cat(samples)
+    # decode_latent_batch: one image per call
+    images = torch.cat([p.sd_model.decode_first_stage(samples[i:i + 1]) for i in range(samples.shape[0])])
+    processed = Processed(p, samples, images)
     if p.scripts is not None:
         p.scripts.postprocess(p, processed)
     return processed

@@ -8,6 +8,8 @@ default for "None"), which is what decides how attention appears in a traced gra
 
 from __future__ import annotations
 
+import importlib.util
+
 from ldm.modules.diffusionmodules import openaimodel
 
 from modules import sd_unet, shared
@@ -58,10 +60,10 @@ history: list[str] = []  # names applied, in order ("None" for plain attention)
 
 
 def _set_processors(processor):
+    if importlib.util.find_spec("modules_forge") is not None:
+        return  # Forge 2 picks its attention at start-up (backend.attention); A1111's hijack is inert there
     model = shared.sd_model
     unet = getattr(getattr(model, "model", None), "diffusion_model", None)
-    if unet is None and getattr(model, "forge_objects", None) is not None:
-        unet = model.forge_objects.unet.model.diffusion_model
     if unet is None:
         return
     from diffusers.models.attention_processor import AttnProcessor
@@ -114,8 +116,20 @@ def apply_optimizations(option=None):
 
 class StableDiffusionModelHijack:
     optimization_method = None
+    fixes = None  # textual-inversion fixes for the next text-encoder call (sd_hijack_clip)
 
     def hijack(self, m):
+        """As the WebUI's: the text encoder wrapped for prompt chunking and embeddings, then the
+        attention optimization."""
+        from ldm.modules.encoders.modules import FrozenCLIPEmbedder
+
+        from modules import sd_hijack_clip
+
+        if isinstance(getattr(m, "cond_stage_model", None), FrozenCLIPEmbedder):
+            transformer = m.cond_stage_model.transformer
+            embeddings = getattr(transformer, "text_model", transformer).embeddings  # transformers 5: no text_model
+            embeddings.token_embedding = sd_hijack_clip.EmbeddingsWithFixes(embeddings.token_embedding, self)
+            m.cond_stage_model = sd_hijack_clip.FrozenCLIPEmbedderWithCustomWords(m.cond_stage_model, self)
         self.apply_optimizations()
 
     def undo_hijack(self, m):

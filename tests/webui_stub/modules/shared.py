@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 from modules import options
@@ -14,8 +15,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     for flag in ("medvram", "medvram-sdxl", "lowvram", "xformers", "no-half", "no-half-vae", "upcast-sampling",
                  "opt-sdp-attention", "opt-sdp-no-mem-attention", "disable-opt-split-attention", "api",
-                 "skip-install"):
+                 "skip-install", "nowebui", "skip-load-model-at-start", "always-cpu"):
         parser.add_argument(f"--{flag}", action="store_true")
+    parser.add_argument("--api-auth", type=str, default=None)
+    parser.add_argument("--use-cpu", nargs="+", default=[], type=str.lower)
     return parser
 
 
@@ -29,8 +32,26 @@ opts = options.Options({
     "cross_attention_optimization": OptionInfo("Automatic", "Cross attention optimization"),
     "batch_cond_uncond": OptionInfo(True, "Batch cond/uncond"),
     "pad_cond_uncond": OptionInfo(False, "Pad prompt/negative prompt to be same length"),
+    "CLIP_stop_at_last_layers": OptionInfo(1, "Clip skip"),
 })
-sd_model = None
+class Shared(sys.modules[__name__].__class__):
+    """``modules/shared_items.py``'s ``Shared``: ``shared.sd_model`` is a property that loads the
+    selected checkpoint on first read (``sd_models.model_data.get_sd_model()``)."""
+
+    @property
+    def sd_model(self):
+        import modules.sd_models
+
+        return modules.sd_models.model_data.get_sd_model()
+
+    @sd_model.setter
+    def sd_model(self, value):
+        import modules.sd_models
+
+        modules.sd_models.model_data.set_sd_model(value)
+
+
+sys.modules[__name__].__class__ = Shared
 
 
 def set_cmd_opts(argv: list[str]) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import types
 
+import torch
+
 from backend.modules.k_model import KModel
+from backend.patcher.base import ModelPatcher
 from backend.patcher.unet import UnetPatcher
 
 
@@ -17,22 +20,73 @@ class ForgeObjects:
         return ForgeObjects(self.unet, self.clip, self.vae, self.clipvision)
 
 
+class IntegratedCLIP(torch.nn.Module):
+    """``backend/nn/clip.py``: holds the transformers ``CLIPTextModel`` as ``transformer``."""
+
+    def __init__(self, transformer):
+        super().__init__()
+        self.transformer = transformer
+
+
+class CLIP:
+    """``backend/patcher/clip.py``: ``cond_stage_model`` (a ModuleDict of encoders) and its patcher."""
+
+    def __init__(self, cond_stage_model):
+        self.cond_stage_model = cond_stage_model
+        self.patcher = ModelPatcher(cond_stage_model)
+
+    def clone(self):
+        n = CLIP.__new__(CLIP)
+        n.cond_stage_model, n.patcher = self.cond_stage_model, self.patcher.clone()
+        return n
+
+
+class VAE:
+    """``backend/patcher/vae.py``: decodes / encodes through ``first_stage_model`` in batches."""
+
+    def __init__(self, first_stage_model):
+        self.first_stage_model = first_stage_model
+        self.patcher = ModelPatcher(first_stage_model)
+
+    def decode(self, samples):
+        return torch.cat([self.first_stage_model.decode(samples[i:i + 1]) for i in range(samples.shape[0])])
+
+
 class ForgeDiffusionEngine:
-    """``backend/diffusion_engine/base.py``: what ``shared.sd_model`` is on Forge 2."""
+    """``backend/diffusion_engine/base.py``: what ``shared.sd_model`` is on Forge 2. The UNet's
+    linear layers are ``ForgeOperations.Linear`` with inference-tensor weights and its attention
+    goes through ``backend.nn.unet.attention_function``, as in Forge."""
 
     def __init__(self, stub_model, checkpoint_info):
+        from backend.nn.unet import ForgeAttnProcessor
+        from backend.operations import forge_linears
+        from backend.text_processing.classic_engine import ClassicTextProcessingEngine
+
         unet = stub_model.model.diffusion_model
-        self.forge_objects = ForgeObjects(UnetPatcher(KModel(unet)), None, None, None)
+        forge_linears(unet.unet)
+        unet.unet.set_attn_processor(ForgeAttnProcessor())
+        clip = None
+        self.text_processing_engine = None
+        if stub_model.is_sd1:
+            clip = CLIP(torch.nn.ModuleDict({"clip_l": IntegratedCLIP(stub_model.cond_stage_model.transformer)}))
+            self.text_processing_engine = ClassicTextProcessingEngine(clip.cond_stage_model["clip_l"])
+        self.forge_objects = ForgeObjects(UnetPatcher(KModel(unet)), clip, VAE(stub_model.first_stage_model), None)
         self.forge_objects_original = self.forge_objects.shallow_copy()
         self.forge_objects_after_applying_lora = self.forge_objects.shallow_copy()
         self.sd_checkpoint_info = checkpoint_info
         self.is_sdxl = stub_model.is_sdxl
         self.is_sd1, self.is_sd2 = stub_model.is_sd1, False
         self.lowvram = False
+        self.scale_factor = stub_model.scale_factor
         self._stub = stub_model
 
     def get_learned_conditioning(self, prompts):
+        if self.text_processing_engine is not None:
+            return self.text_processing_engine(prompts)
         return self._stub.get_learned_conditioning(prompts)
+
+    def decode_first_stage(self, z):
+        return self.forge_objects.vae.decode(1.0 / self.scale_factor * z)
 
 
 def forge_loader(checkpoint_info):
@@ -48,10 +102,15 @@ def apply_loras(p):
     loras = (p.extra_network_data or {}).get("lora", [])
     if loras:
         unet = model.forge_objects.unet.clone()
+        clip = model.forge_objects.clip.clone() if model.forge_objects.clip is not None else None
         for params in loras:
             strength = float(params.positional[1]) if len(params.positional) > 1 else 1.0
             unet.add_patches(filename=f"/models/Lora/{params.positional[0]}.safetensors", patches={},
                              strength_patch=strength, strength_model=strength)
+            if clip is not None:
+                clip.patcher.add_patches(filename=f"/models/Lora/{params.positional[0]}.safetensors", patches={},
+                                         strength_patch=strength, strength_model=strength)
         model.forge_objects.unet = unet
+        model.forge_objects.clip = clip
     model.forge_objects_after_applying_lora = model.forge_objects.shallow_copy()
     return types.SimpleNamespace(loras=len(loras))
