@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sd_accel.backends.registry import get_backend
+from sd_accel.backends.registry import check_precision, get_backend
 from sd_accel.cache.key import EngineKey
 from sd_accel.core import BuildCancelled, EngineError, InvalidValue, Progress
 from sd_accel.profiles import Profile, default_preset
@@ -77,11 +77,10 @@ def build_engines(
     from sd_accel.runtime.swap import torch_modules
 
     cache = EngineCache(engine_dir)
-    be = get_backend(backend, cache_root=cache.root)
+    be = get_backend(backend, cache_root=cache.root, device=str(getattr(pipe, "device", "cpu")))
     info = be.info()
     precision = be.default_precision() if precision == "auto" else precision
-    if precision not in be.precisions():
-        raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
+    check_precision(be, precision)  # says what a missing precision needs (NNCF for int8, a bf16 CPU)
     report = _reporter(progress)
     records = []
     with torch_modules(pipe):
