@@ -67,8 +67,14 @@ def build_engines(
     progress: bool | Callable[[BuildEvent], None] = True,
     cancel: threading.Event | None = None,
     validate: bool = True,
+    keep_onnx: bool = True,
 ) -> list:
     """Build (or reuse) an engine for every component and profile; returns their cache records.
+
+    ``keep_onnx=False`` removes the ONNX exports these engines were built from once the last one
+    is built (unless another build is reading them): engines run without them, and another
+    profile of the same component exports again. Kept (the default), they are counted in the
+    cache's disk use and removed with the last engine built from them.
 
     >>> build_engines(pipe, preset="dynamic-512-768", backend="auto", precision="auto")  # doctest: +SKIP
     """
@@ -92,6 +98,8 @@ def build_engines(
             tick = make_tick(report, cancel, index, len(jobs), spec.name, profile.tag)
             records.append(build_one(cache, be, info, spec, profile, precision, tick, validate))
     report(None)
+    if not keep_onnx:
+        cache.drop_intermediates_of(records)
     return records
 
 

@@ -205,6 +205,13 @@ def test_api_routes_list_build_delete(tmp_path, engine_dir):
     first = listed["engines"][0]
     assert first["component"] == "ldm_unet" and first["usable_here"] is True
     assert first["webui"]["model_name"] == "tiny-sd15" and first["weights"].startswith("ckpt-")
+    # the ONNX export the engines were built from is counted in the totals (keyed by the weights'
+    # fingerprint, which the WebUI's engines keep beside their checkpoint hash)
+    export = next(i for i in listed["intermediates"] if first["name"] in i["engines"])
+    assert export["kind"] == "onnx" and export["component"] == "ldm_unet" and export["size_bytes"] > 0
+    assert export["weights"] == first["webui"]["weights_fingerprint"][:16]
+    assert listed["engines_bytes"] == sum(e["size_bytes"] for e in listed["engines"])
+    assert listed["total_bytes"] == listed["engines_bytes"] + listed["intermediates_bytes"] > listed["engines_bytes"]
     # Errors answer with a status and a reason, never a crash.
     assert client.post("/sd-accel/build", json={"profile": {"batch": 1, "height": 60, "width": 64}}).status_code == 400
     assert client.post("/sd-accel/build", json={"checkpoint": "nope"}).status_code == 404
@@ -215,9 +222,11 @@ def test_api_routes_list_build_delete(tmp_path, engine_dir):
     import shutil
 
     shutil.copytree(engine_dir, tmp_path / "copy")
-    response = client.delete(f"/sd-accel/engines/{names[0]}")
-    assert response.status_code == 200 and response.json() == {"deleted": names[0]}
-    assert names[0] not in [e["name"] for e in client.get("/sd-accel/engines").json()["engines"]]
+    for name in names:  # every engine: nothing is left of them, the export included
+        response = client.delete(f"/sd-accel/engines/{name}")
+        assert response.status_code == 200 and response.json() == {"deleted": name}
+    after = client.get("/sd-accel/engines").json()
+    assert after["engines"] == [] and after["intermediates"] == [] and after["total_bytes"] == 0
 
 
 def test_webui_flags_respected_by_the_export(tmp_path):

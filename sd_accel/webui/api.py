@@ -1,7 +1,8 @@
 """HTTP routes for headless use, added to the WebUI's FastAPI app (``on_app_started``).
 
 - ``GET /sd-accel/engines``: every engine in the engine directory, with the checkpoint it is for
-  and whether it loads on this machine;
+  and whether it loads on this machine; the intermediates kept beside them (ONNX exports,
+  calibration data) and the bytes of both (``total_bytes``);
 - ``POST /sd-accel/build``: build engines for a checkpoint (default: the loaded one), body
   ``{"checkpoint": "...", "preset": "static-512", "profile": {...}, "backend": "auto",
   "precision": "auto"}``; answers when the build is done (minutes for TensorRT);
@@ -68,7 +69,10 @@ def register(app: FastAPI, ctl: Controller | None = None) -> None:
         def usable(r) -> bool:
             return info is not None and refusal(r, info) is None
 
-        return {"engine_dir": str(cache.root), "engines": [engine_json(r, usable(r)) for r in cache.list()]}
+        usage = cache.disk_usage()
+        return {"engine_dir": str(cache.root), "engines": [engine_json(r, usable(r)) for r in cache.list()],
+                "intermediates": [i.to_dict() for i in usage.intermediates], "engines_bytes": usage.engines_bytes,
+                "intermediates_bytes": usage.intermediates_bytes, "total_bytes": usage.total_bytes}
 
     def build(body: BuildBody) -> dict[str, Any]:
         from sd_accel.webui.jobs import BuildRefused, build_for_checkpoint
