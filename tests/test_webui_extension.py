@@ -35,8 +35,13 @@ def _lean(monkeypatch):
     harness.purge()
 
 
+EXACT = {"sd_accel_backend": "onnxruntime"}
+
+
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory) -> Path:
+    """The engines the tests below share: built with ONNX Runtime fp32 (``EXACT``), not auto's
+    OpenVINO bf16 on CPUs, so the jobs on them match PyTorch to 2e-3."""
     return tmp_path_factory.mktemp("webui-engines")
 
 
@@ -134,7 +139,7 @@ def test_install_never_touches_the_webuis_own_packages(tmp_path, monkeypatch, ca
 
 
 def test_a1111_job_on_engines_with_fallback(tmp_path, engine_dir, caplog, capsys):
-    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    webui = harness.start(tmp_path, engine_dir=engine_dir, options=EXACT)
     from ldm.modules.diffusionmodules import openaimodel
     from modules import sd_hijack
 
@@ -194,7 +199,7 @@ def test_a1111_job_on_engines_with_fallback(tmp_path, engine_dir, caplog, capsys
 
 
 def test_api_routes_list_build_delete(tmp_path, engine_dir):
-    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    webui = harness.start(tmp_path, engine_dir=engine_dir, options=EXACT)
     client = webui.client()
     listed = client.get("/sd-accel/engines").json()
     if len(listed["engines"]) < 2:
@@ -252,7 +257,7 @@ def test_webui_flags_respected_by_the_export(tmp_path):
 
 
 def test_lora_merged_weights_get_their_own_engines(tmp_path, engine_dir, capsys):
-    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    webui = harness.start(tmp_path, engine_dir=engine_dir, options=EXACT)
     from sd_accel.webui.jobs import build_for_checkpoint
 
     unet = webui.shared.sd_model.model.diffusion_model
@@ -333,7 +338,7 @@ def test_webui_path_does_not_import_diffusers(tmp_path):
 
 def test_unusable_backend_never_breaks_a_job(tmp_path, engine_dir, capsys):
     """TensorRT picked where it cannot run: the tab says why and how to fix it; jobs run in PyTorch."""
-    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    webui = harness.start(tmp_path, engine_dir=engine_dir, options=EXACT)
     from sd_accel.webui.tab import status_markdown
 
     if not webui.sd_unet.unet_options:

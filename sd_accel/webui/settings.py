@@ -30,7 +30,7 @@ def on_ui_settings() -> None:
         (OPT_PRESET, info(AUTO_PRESET, "Default engine preset (tab and API)", gr.Dropdown,
                           {"choices": [AUTO_PRESET, *PRESETS]}, section=SECTION)),
         (OPT_BACKEND, info("auto", "Engine backend (auto: TensorRT on NVIDIA GPUs where it imports, "
-                                   "else ONNX Runtime)", gr.Dropdown, {"choices": list(BACKENDS)},
+                                   "on CPUs OpenVINO where installed, else ONNX Runtime)", gr.Dropdown, {"choices": list(BACKENDS)},
                            section=SECTION)),
     ]
     if host.is_forge():
