@@ -88,7 +88,8 @@ def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
     from sd_accel.runtime.swap import swap_engines
 
     cache = EngineCache(config.engine_dir)
-    backend = get_backend(config.backend, cache_root=cache.root)
+    # auto picks by where the pipeline runs: a CPU pipeline on a GPU machine takes the CPU's backend
+    backend = get_backend(config.backend, cache_root=cache.root, device=str(getattr(pipe, "device", "cpu")))
     auto = config.engines == "auto"
     builder = None
     if auto:

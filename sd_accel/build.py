@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sd_accel.backends.registry import get_backend
+from sd_accel.backends.registry import check_precision, get_backend
 from sd_accel.cache.key import EngineKey
 from sd_accel.core import BuildCancelled, EngineError, InvalidValue, Progress
 from sd_accel.profiles import Profile, default_preset
@@ -67,8 +67,14 @@ def build_engines(
     progress: bool | Callable[[BuildEvent], None] = True,
     cancel: threading.Event | None = None,
     validate: bool = True,
+    keep_onnx: bool = True,
 ) -> list:
     """Build (or reuse) an engine for every component and profile; returns their cache records.
+
+    ``keep_onnx=False`` removes the ONNX exports these engines were built from once the last one
+    is built (unless another build is reading them): engines run without them, and another
+    profile of the same component exports again. Kept (the default), they are counted in the
+    cache's disk use and removed with the last engine built from them.
 
     >>> build_engines(pipe, preset="dynamic-512-768", backend="auto", precision="auto")  # doctest: +SKIP
     """
@@ -77,11 +83,10 @@ def build_engines(
     from sd_accel.runtime.swap import torch_modules
 
     cache = EngineCache(engine_dir)
-    be = get_backend(backend, cache_root=cache.root)
+    be = get_backend(backend, cache_root=cache.root, device=str(getattr(pipe, "device", "cpu")))
     info = be.info()
     precision = be.default_precision() if precision == "auto" else precision
-    if precision not in be.precisions():
-        raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
+    check_precision(be, precision)  # says what a missing precision needs (NNCF for int8, a bf16 CPU)
     report = _reporter(progress)
     records = []
     with torch_modules(pipe):
@@ -93,6 +98,8 @@ def build_engines(
             tick = make_tick(report, cancel, index, len(jobs), spec.name, profile.tag)
             records.append(build_one(cache, be, info, spec, profile, precision, tick, validate))
     report(None)
+    if not keep_onnx:
+        cache.drop_intermediates_of(records)
     return records
 
 

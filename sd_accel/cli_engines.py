@@ -68,7 +68,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     components = _components(args.components, engine_components(pipe))
     start = time.perf_counter()
     records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,
-                            components=components, engine_dir=args.engine_dir, progress=not args.json)
+                            components=components, engine_dir=args.engine_dir, progress=not args.json,
+                            keep_onnx=args.keep_onnx)
     took = time.perf_counter() - start
     rows = [_row(r) for r in records]
     if args.json:
@@ -108,32 +109,70 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         print("  ".join(r[c].ljust(widths[c]) for c in cols))
 
 
+def _intermediate_row(item) -> dict[str, Any]:
+    from sd_accel.units import format_size
+
+    return {**item.to_dict(), "what": item.label, "size": format_size(item.size_bytes)}
+
+
+def _print_intermediates(rows: list[dict[str, Any]]) -> None:
+    print("intermediates (ONNX exports and int8 calibration data, kept to build more engines of the same "
+          "weights; delete and prune remove those no engine needs):")
+    cols = ("what", "component", "size", "status", "name")
+    widths = {c: max([len(c)] + [len(str(r[c] or "-")) for r in rows]) for c in cols}
+    print("  " + "  ".join(c.ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  " + "  ".join(str(r[c] or "-").ljust(widths[c]) for c in cols))
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from sd_accel import EngineCache
-    from sd_accel.units import format_size
 
     cache = EngineCache(args.engine_dir)
     rows = [_row(r) for r in sorted(cache.list(), key=lambda r: r.name)]
     broken = [{"name": b.name, "reason": b.reason} for b in cache.broken()]
+    usage = cache.disk_usage()
+    extra = [_intermediate_row(i) for i in usage.intermediates]
     if args.json:
-        print(json.dumps({"root": str(cache.root), "engines": rows, "broken": broken,
-                          "total_bytes": cache.total_size()}))
+        print(json.dumps({"root": str(cache.root), "engines": rows, "broken": broken, "intermediates": extra,
+                          "engines_bytes": usage.engines_bytes, "intermediates_bytes": usage.intermediates_bytes,
+                          "total_bytes": usage.total_bytes}))
         return 0
     if rows:
         _print_table(rows)
     for b in broken:
         print(f"broken: {b['name']}: {b['reason']}")
-    print(f"{len(rows)} engine(s), {format_size(cache.total_size())} in {cache.root}")
+    if extra:
+        _print_intermediates(extra)
+    print(f"{usage.describe()} in {cache.root}")
     return 0
+
+
+def _print_dropped(before: dict, cache) -> None:
+    """The intermediates that went with a delete or prune (no engine needs them any more)."""
+    from sd_accel.units import format_size
+
+    left = {i.name for i in cache.intermediates()}
+    for name, item in sorted(before.items()):
+        if name not in left:
+            print(f"removed {name} ({item.label}, {format_size(item.size_bytes)})")
 
 
 def _cmd_delete(args: argparse.Namespace) -> int:
     from sd_accel import EngineCache
+    from sd_accel.cache.intermediates import parse_name
 
     cache = EngineCache(args.engine_dir)
+    if parse_name(args.key) is not None:  # onnx/... or calibration/...: an intermediate
+        if not cache.delete_intermediate(args.key):
+            raise InvalidValue(f"no intermediate named {args.key!r} in {cache.root}; `sd-accel list` shows the names")
+        print(f"deleted {args.key}")
+        return 0
+    before = {i.name: i for i in cache.intermediates()}
     if not cache.delete(args.key):
         raise InvalidValue(f"no engine named {args.key!r} in {cache.root}; `sd-accel list` shows the names")
     print(f"deleted {args.key}")
+    _print_dropped(before, cache)
     return 0
 
 
@@ -144,11 +183,13 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     if args.max_size is None and args.older_than is None:
         raise InvalidValue("prune needs --max-size and/or --older-than")
     cache = EngineCache(args.engine_dir)
+    before = {i.name: i for i in cache.intermediates()}
     removed = cache.prune(max_bytes=parse_size(args.max_size) if args.max_size else None,
                           older_than_s=parse_age(args.older_than) if args.older_than else None)
     for r in removed:
         print(f"removed {r.name} ({format_size(r.size_bytes)})")
-    print(f"{len(removed)} engine(s) removed; {format_size(cache.total_size())} left")
+    _print_dropped(before, cache)
+    print(f"{len(removed)} engine(s) removed; left: {cache.disk_usage().describe()}")
     return 0
 
 
@@ -198,22 +239,26 @@ def add_commands(sub, engine_args) -> None:
     b.add_argument("--precision", choices=("auto", *ENGINE_PRECISIONS), default="auto",
                    help="auto: the backend's default (`sd-accel doctor` lists each backend's)")
     b.add_argument("--allow-pickle", action="store_true")
+    b.add_argument("--keep-onnx", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the ONNX exports for building more profiles later (default); --no-keep-onnx "
+                        "removes them once the engines are built")
     b.add_argument("--json", action="store_true")
     engine_args(b)
     b.set_defaults(func=_cmd_build)
 
-    ls = sub.add_parser("list", help="list cached engines")
+    ls = sub.add_parser("list", help="list cached engines, the intermediates kept beside them, and disk use")
     ls.add_argument("--json", action="store_true")
     engine_args(ls)
     ls.set_defaults(func=_cmd_list)
 
-    d = sub.add_parser("delete", help="delete one engine by name")
-    d.add_argument("key", help="the engine's name, as `sd-accel list` shows it")
+    d = sub.add_parser("delete", help="delete one engine (and the intermediates no engine needs any more)")
+    d.add_argument("key", help="the engine's name, as `sd-accel list` shows it, or an intermediate's "
+                               "(onnx/... or calibration/...)")
     engine_args(d)
     d.set_defaults(func=_cmd_delete)
 
-    pr = sub.add_parser("prune", help="remove engines by age or total size")
-    pr.add_argument("--max-size", default=None, help="e.g. 20GB")
+    pr = sub.add_parser("prune", help="remove engines by age, or engines and intermediates by total size")
+    pr.add_argument("--max-size", default=None, help="e.g. 20GB: engines plus intermediates")
     pr.add_argument("--older-than", default=None, help="e.g. 30d (by last use)")
     engine_args(pr)
     pr.set_defaults(func=_cmd_prune)

@@ -86,17 +86,33 @@ def test_fp16_on_cpu_falls_back_to_fp32_with_warning(tiny_sd15, caplog):
 
 
 @pytest.mark.slow
-def test_sdxl_vae_stays_fp32_under_bf16(tiny_sdxl):
+def test_sdxl_vae_keeps_bf16_and_the_nan_guard_under_bf16(tiny_sdxl):
+    # force_upcast in the SDXL VAE config is about fp16's range; bf16 has fp32's, so no upcast.
     pipe = accelerate(fresh(tiny_sdxl), precision="bf16")
     assert pipe.unet.dtype == torch.bfloat16
-    assert pipe.vae.dtype == torch.float32  # force_upcast in the SDXL VAE config
-    assert pipe.sd_accel.vae_dtype == "fp32"
+    assert pipe.vae.dtype == torch.bfloat16
+    assert pipe.sd_accel.vae_dtype == "bf16"
+    assert pipe.vae._sd_accel_guard.nan_check  # every half precision keeps the NaN guard
     assert np.isfinite(run(pipe)).all()
+
+
+def test_vae_upcast_is_decided_per_precision(tiny_sdxl):
+    from sd_accel.optimize.precision import vae_dtype_for
+
+    vae = tiny_sdxl.vae
+    assert vae.config.force_upcast
+    assert vae_dtype_for(vae, torch.float16, "auto") == torch.float32  # fp16 overflows: upcast
+    assert vae_dtype_for(vae, torch.bfloat16, "auto") == torch.bfloat16  # bf16 does not
+    assert vae_dtype_for(vae, torch.float16, "same") == torch.float16
+    assert vae_dtype_for(vae, torch.bfloat16, "fp32") == torch.float32
 
 
 @pytest.mark.slow
 def test_vae_precision_choices(tiny_sd15, tiny_sdxl):
     assert accelerate(fresh(tiny_sd15), precision="bf16", vae_precision="fp32").vae.dtype == torch.float32
+    pipe = accelerate(fresh(tiny_sdxl), precision="bf16", vae_precision="fp32")
+    assert pipe.vae.dtype == torch.float32 and pipe.sd_accel.vae_dtype == "fp32"
+    assert np.isfinite(run(pipe)).all()  # a bf16 UNet's latents decode in an fp32 VAE
     assert accelerate(fresh(tiny_sdxl), precision="bf16", vae_precision="same").vae.dtype == torch.bfloat16
 
 

@@ -34,7 +34,52 @@ def test_names_and_errors():
     if not registry.create("tensorrt").info().usable:
         with pytest.raises(DeviceError, match="cannot run here"):
             registry.get_backend("tensorrt")
-        assert registry.get_backend("auto").name == "onnxruntime"
+    usable = next(n for n in registry.auto_order() if registry.create(n).info().usable)
+    assert registry.get_backend("auto").name == usable
+
+
+def test_auto_is_openvino_on_cpus_and_never_on_cuda(monkeypatch):
+    assert registry.auto_order("cpu") == registry.auto_order("mps") == ("openvino", "onnxruntime")
+    # OpenVINO engines run on the CPU: a GPU without TensorRT keeps ONNX Runtime (CUDA provider)
+    assert registry.auto_order("cuda:1") == ("tensorrt", "onnxruntime")
+    if not torch.cuda.is_available():
+        assert registry.auto_order() == registry.auto_order("cpu")
+    if registry.create("openvino").info().usable:  # a regular dependency where it has wheels
+        assert registry.get_backend("auto", device="cpu").name == "openvino"
+        rows = {row["name"]: row for row in registry.describe()}
+        assert rows["openvino"]["auto"] and not rows["onnxruntime"]["auto"]
+    # where OpenVINO is missing, auto is ONNX Runtime
+    import sd_accel.backends.openvino.builder as ov_builder
+
+    monkeypatch.setattr(ov_builder.OpenVinoBackend, "info", lambda self: ov_builder.BackendInfo(
+        "openvino", "", "cpu", False, "openvino is not installed"))
+    assert registry.get_backend("auto", device="cpu").name == "onnxruntime"
+    rows = {row["name"]: row for row in registry.describe()}
+    assert rows["onnxruntime"]["auto"] and rows["openvino"]["install"].startswith("pip install openvino")
+
+
+def test_a_precision_a_backend_cannot_build_says_what_it_needs(monkeypatch, tiny_sd15, tmp_path):
+    import sd_accel.backends.openvino.builder as ov_builder
+
+    ort = registry.create("onnxruntime")
+    registry.check_precision(ort, "fp32")  # builds it: no error
+    with pytest.raises(InvalidValue, match="fp16 engines come from the tensorrt backend"):
+        registry.check_precision(ort, "fp16")
+    with pytest.raises(InvalidValue, match="int8-dynamic engines come from the onnxruntime backend"):
+        registry.check_precision(registry.create("openvino"), "int8-dynamic")
+    # int8 is opt-in, and NNCF with it: without NNCF the message says how to get it
+    monkeypatch.setattr(ov_builder, "_has_nncf", lambda: False)
+    with pytest.raises(InvalidValue, match=r"needs NNCF.*pip install nncf"):
+        registry.check_precision(registry.create("openvino"), "int8")
+    if registry.create("openvino").info().usable:  # and build_engines says it before any work
+        with pytest.raises(InvalidValue, match="pip install nncf"):
+            build_engines(tiny_sd15, profiles=[dict(batch=1, height=64, width=64)], backend="openvino",
+                          precision="int8", components=["unet"], engine_dir=tmp_path, progress=False)
+        assert not (tmp_path / "onnx").exists()
+    monkeypatch.setattr(ov_builder, "has_bf16", lambda: False)
+    with pytest.raises(InvalidValue, match="bf16 needs a CPU with AVX512-BF16 or AMX"):
+        registry.check_precision(registry.create("openvino"), "bf16")
+    assert registry.create("openvino").default_precision() == "fp32"  # int8 only when asked
 
 
 def test_a_new_backend_is_one_module_and_one_entry(monkeypatch, tmp_path, tiny_sd15):

@@ -263,21 +263,154 @@ def test_folder_with_missing_or_corrupt_meta_is_reported_not_listed_not_deleted(
 
 def test_other_modules_folders_are_never_touched(cache: EngineCache) -> None:
     record = build(cache, make_key())
-    onnx_file = cache.root / "onnx" / "unet" / "model.onnx"
-    onnx_file.parent.mkdir(parents=True)
-    onnx_file.write_bytes(b"graph")
-    (cache.root / "onnx" / META_FILE).write_text("{}")
     (cache.root / "notes").mkdir()
+    (cache.root / "notes" / "a.txt").write_text("mine")
     (cache.root / "README.txt").write_text("mine")
 
-    assert cache.list() == [record] and cache.broken() == []
-    assert cache.total_size() == record.size_bytes
+    assert cache.list() == [record] and cache.broken() == [] and cache.intermediates() == []
+    assert cache.total_size() == record.size_bytes == cache.disk_usage().total_bytes
     assert cache.prune(max_bytes=0, older_than_s=0) == [record]
-    assert onnx_file.read_bytes() == b"graph" and (cache.root / "notes").is_dir()
+    assert (cache.root / "notes" / "a.txt").read_text() == "mine"
     assert (cache.root / "README.txt").read_text() == "mine"
-    with pytest.raises(ValueError, match="not an engine"):
-        cache.delete("onnx")
-    assert onnx_file.exists()
+    for reserved in ("onnx", "calibration"):
+        with pytest.raises(ValueError, match="not an engine"):
+            cache.delete(reserved)
+
+
+# --------------------------------------------------------------------------- intermediates
+
+WEIGHTS = make_key().model[:16]  # what an engine of make_key() was built from
+
+
+def export(cache: EngineCache, component: str = "unet", weights: str = WEIGHTS, spec: int = 1,
+           size: int = 1000) -> Path:
+    """An ONNX export folder as sd_accel.onnx.export lays it out."""
+    folder = cache.root / "onnx" / f"{component}.{weights}.s{spec}"
+    folder.mkdir(parents=True)
+    (folder / "model.onnx").write_bytes(b"g" * size)
+    (folder / "meta.json").write_text("{}")
+    return folder
+
+
+def calibration(cache: EngineCache, component: str = "unet", weights: str = WEIGHTS, size: int = 300) -> Path:
+    path = cache.root / "calibration" / f"{weights}-{component}-{'ab' * 8}.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"c" * size)
+    return path
+
+
+def by_name(cache: EngineCache) -> dict:
+    return {i.name: i for i in cache.intermediates()}
+
+
+def test_intermediates_are_counted_kept_for_their_engines_and_go_with_the_last(cache: EngineCache) -> None:
+    unet = build(cache, make_key())
+    unet_int8 = build(cache, make_key(precision="int8"))
+    unet_onnx = export(cache)
+    unet_calib = calibration(cache)
+    clip_calib = calibration(cache, "clip", "f" * 16)  # captured beside the UNet's; no clip engine
+    old_spec = export(cache, spec=0, size=10)  # another export spec version: no engine uses it
+    (cache.root / "onnx" / f"{unet_onnx.name}.lock").write_text("")  # the export's lock file: not data
+
+    items = by_name(cache)
+    assert set(items) == {"onnx/unet.0123456789abcdef.s1", "onnx/unet.0123456789abcdef.s0",
+                          f"calibration/{unet_calib.name}", f"calibration/{clip_calib.name}"}
+    kept = items["onnx/unet.0123456789abcdef.s1"]
+    assert kept.engines == tuple(sorted([unet.name, unet_int8.name])) and kept.status == "kept for 2 engines"
+    assert kept.size_bytes == 1002 and kept.label == "ONNX export"
+    assert items[f"calibration/{clip_calib.name}"].unused and items["onnx/unet.0123456789abcdef.s0"].unused
+    usage = cache.disk_usage()
+    assert usage.engines == 2 and usage.engines_bytes == unet.size_bytes + unet_int8.size_bytes
+    assert usage.intermediates_bytes == 1002 + 12 + 300 + 300
+    assert usage.total_bytes == usage.engines_bytes + usage.intermediates_bytes
+    assert "intermediates" in usage.describe() and "unused" in usage.describe()
+
+    # deleting one engine removes what no engine needs; the export stays for the other engine
+    assert cache.delete(unet.name)
+    assert set(by_name(cache)) == {"onnx/unet.0123456789abcdef.s1", f"calibration/{unet_calib.name}"}
+    assert not clip_calib.exists() and not old_spec.exists()
+    # deleting every engine leaves no intermediates behind
+    assert cache.delete(unet_int8.name)
+    assert cache.intermediates() == [] and cache.disk_usage().total_bytes == 0
+    assert not unet_onnx.exists() and not unet_calib.exists()
+    data = [p for p in cache.root.rglob("*") if p.is_file() and p.stat().st_size and p.name != INDEX_FILE]
+    assert data == []
+
+
+def test_webui_engines_keep_the_export_of_their_weights_fingerprint(cache: EngineCache) -> None:
+    weights = "9" * 64
+    record = build(cache, make_key(model="ckpt-1234abcd"), extra={"webui": {"weights_fingerprint": weights}})
+    folder = export(cache, weights=weights[:16])
+    assert by_name(cache)[f"onnx/{folder.name}"].engines == (record.name,)
+    assert cache.drop_unused_intermediates() == [] and folder.exists()
+
+
+def test_keep_onnx_false_drops_the_export_but_keeps_engines_and_calibration(cache: EngineCache) -> None:
+    record = build(cache, make_key())
+    other = build(cache, make_key(component="clip", model="e" * 20))
+    folder, calib, other_export = export(cache), calibration(cache), export(cache, "clip", "e" * 16)
+    dropped = cache.drop_intermediates_of([record])
+    assert [i.name for i in dropped] == [f"onnx/{folder.name}"]
+    assert not folder.exists() and calib.exists() and other_export.exists()
+    assert cache.list() == sorted([record, other], key=lambda r: r.name)
+    with pytest.raises(ValueError, match="not an intermediate"):
+        cache.delete_intermediate("../index.json")
+    assert cache.delete_intermediate(f"calibration/{calib.name}") is True and not calib.exists()
+    assert cache.delete_intermediate(f"calibration/{calib.name}") is False
+
+
+def test_a_running_build_keeps_what_it_may_read(cache: EngineCache) -> None:
+    folder = export(cache)  # no engine yet: unused, but a build of unet is running
+    calib = calibration(cache, "clip", "f" * 16)  # a capture writes every component's feeds
+    other = export(cache, "vae_decoder", "d" * 16)
+    with cache.build_slot(make_key(), timeout=0) as slot:
+        assert slot is not None
+        items = by_name(cache)
+        assert items[f"onnx/{folder.name}"].building and items[f"calibration/{calib.name}"].building
+        assert not items[f"onnx/{other.name}"].building
+        assert [i.name for i in cache.drop_unused_intermediates()] == [f"onnx/{other.name}"]
+        with pytest.raises(EngineError, match="in use by a running build"):
+            cache.delete_intermediate(f"onnx/{folder.name}")
+        assert folder.exists() and calib.exists()
+    # the build ended without an engine: now nothing needs them
+    assert {i.name for i in cache.drop_unused_intermediates()} == {f"onnx/{folder.name}", f"calibration/{calib.name}"}
+
+
+def test_an_export_being_written_is_never_removed(cache: EngineCache) -> None:
+    from filelock import FileLock
+
+    folder = export(cache)
+    temp = cache.root / "onnx" / f".{folder.name}.tmp-123-abcd"  # ensure_onnx_artifact's temp folder
+    temp.mkdir()
+    (temp / "model.onnx").write_bytes(b"t" * 50)
+    assert by_name(cache)[f"onnx/{folder.name}"].size_bytes == 1002 + 50
+    # ensure_onnx_artifact holds this lock while it exports (here: another process, as far as flock goes)
+    with FileLock(str(folder) + ".lock"):
+        assert cache.drop_unused_intermediates() == []
+        assert folder.exists() and temp.exists()
+    assert len(cache.drop_unused_intermediates()) == 1
+    assert not folder.exists() and not temp.exists()
+
+
+def test_a_shared_onnx_folder_is_counted_but_never_emptied(cache: EngineCache, tmp_path: Path) -> None:
+    shared = tmp_path / "shared-onnx"  # the benchmark links one export folder into each row's cache
+    (shared / f"unet.{WEIGHTS}.s1").mkdir(parents=True)
+    (shared / f"unet.{WEIGHTS}.s1" / "model.onnx").write_bytes(b"g" * 10)
+    cache.root.mkdir(parents=True)
+    (cache.root / "onnx").symlink_to(shared, target_is_directory=True)
+    assert [i.size_bytes for i in cache.intermediates()] == [10]
+    assert cache.drop_unused_intermediates() == [] and (shared / f"unet.{WEIGHTS}.s1").is_dir()
+
+
+def test_prune_by_size_counts_intermediates_and_drops_them_before_engines(cache: EngineCache) -> None:
+    record = build(cache, make_key())
+    folder = export(cache, size=5000)
+    assert cache.prune(max_bytes=cache.disk_usage().total_bytes) == [] and folder.exists()
+    assert cache.prune(max_bytes=record.size_bytes) == []  # the export goes, the engine stays
+    assert not folder.exists() and cache.list() == [record]
+    export(cache, size=5000)
+    assert cache.prune(max_bytes=0) == [record]
+    assert cache.disk_usage().total_bytes == 0
 
 
 # --------------------------------------------------------------------------- verify
@@ -594,3 +727,46 @@ def test_record_round_trips_through_json() -> None:
     for bad in ({}, {**record.to_dict(), "status": "maybe"}, {**record.to_dict(), "files": ["../x"]}):
         with pytest.raises(ValueError, match="not an engine record"):
             EngineRecord.from_dict(bad)
+
+
+# --------------------------------------------------------------------------- intermediates of real builds
+
+
+@pytest.mark.slow
+def test_a_real_int8_build_then_deleting_every_engine_leaves_no_hidden_data(tmp_path: Path, tiny_sd15) -> None:
+    from sd_accel import build_engines
+
+    (record,) = build_engines(tiny_sd15, profiles=[dict(batch=1, height=64, width=64)], backend="onnxruntime",
+                              precision="int8", components=["unet"], engine_dir=tmp_path, progress=False)
+    cache = EngineCache(tmp_path)
+    items = {f"{i.kind}:{i.component}": i for i in cache.intermediates()}
+    assert items["onnx:unet"].engines == (record.name,) and items["onnx:unet"].size_bytes > 0
+    assert items["calibration:unet"].engines == (record.name,)
+    # one capture records every component's feeds: those with no engine are unused
+    assert items["calibration:clip"].unused and items["calibration:vae_decoder"].unused
+    usage = cache.disk_usage()
+    assert usage.intermediates_bytes == sum(i.size_bytes for i in items.values()) > 0
+    assert usage.total_bytes == record.size_bytes + usage.intermediates_bytes
+
+    assert cache.delete(record.name)
+    assert cache.intermediates() == [] and cache.disk_usage().total_bytes == 0
+    kept = [p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size and p.name != INDEX_FILE]
+    assert kept == [], kept  # no ONNX, no calibration data, no engine: only empty lock files
+
+
+@pytest.mark.slow
+def test_keep_onnx_false_keeps_no_export_and_the_engine_still_runs(tmp_path: Path, tiny_sd15) -> None:
+    import torch
+
+    from sd_accel import AccelConfig, accelerate, build_engines, stats
+
+    (record,) = build_engines(tiny_sd15, profiles=[dict(batch=1, height=64, width=64)], backend="onnxruntime",
+                              components=["vae_decoder"], engine_dir=tmp_path, progress=False, keep_onnx=False)
+    cache = EngineCache(tmp_path)
+    assert cache.list() == [record] and cache.intermediates() == []
+    pipe = accelerate(tiny_sd15, AccelConfig(engines=True, backend="onnxruntime", engine_dir=str(tmp_path)))
+    try:
+        pipe("a cat", num_inference_steps=1, height=64, width=64, generator=torch.Generator().manual_seed(0))
+        assert stats(pipe)["vae_decoder"]["engine_calls"] == 1
+    finally:
+        accelerate(pipe, AccelConfig())  # give the session-scoped pipeline its torch modules back

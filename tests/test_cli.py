@@ -104,7 +104,8 @@ def test_doctor_reports_device_versions_and_backends():
     assert ov["usable"] is True and ov["default_precision"] in ("bf16", "fp32") and "int8" in ov["precisions"]
     trt = report["backends"]["tensorrt"]
     assert trt["usable"] or ("TensorRT" in trt["why_not"] and trt["install"])
-    assert [b["name"] for b in report["backends"].values() if b["auto"]] == ["onnxruntime"]
+    # auto: OpenVINO on a CPU (a regular dependency), ONNX Runtime where OpenVINO cannot run
+    assert [b["name"] for b in report["backends"].values() if b["auto"]] == ["openvino" if ov["usable"] else "onnxruntime"]
     text = sd_accel("doctor").stdout
     assert all(f"backend {name}:" in text for name in names())
 
@@ -116,10 +117,20 @@ def test_build_list_generate_delete_prune(tmp_path):
                            "--engine-dir", engines, "--json"))
     comps = sorted(e["component"] for e in built["engines"])
     assert comps == ["unet", "vae_decoder", "vae_encoder"]
+    auto = next(b for b in _json(sd_accel("doctor", "--json"))["backends"].values() if b["auto"])
+    assert all(e["backend"].startswith(auto["name"]) for e in built["engines"])  # the default path: auto
+    assert {e["precision"] for e in built["engines"]} == {auto["default_precision"]}
 
     listed = _json(sd_accel("list", "--engine-dir", engines, "--json"))
     assert sorted(e["name"] for e in listed["engines"]) == sorted(e["name"] for e in built["engines"])
-    assert listed["total_bytes"] == sum(e["size_bytes"] for e in listed["engines"])
+    # the ONNX exports are counted beside the engines
+    assert sorted(i["component"] for i in listed["intermediates"]) == comps
+    assert all(i["kind"] == "onnx" and i["status"] == "kept for 1 engine" for i in listed["intermediates"])
+    assert listed["engines_bytes"] == sum(e["size_bytes"] for e in listed["engines"])
+    assert listed["intermediates_bytes"] == sum(i["size_bytes"] for i in listed["intermediates"]) > 0
+    assert listed["total_bytes"] == listed["engines_bytes"] + listed["intermediates_bytes"]
+    text = sd_accel("list", "--engine-dir", engines).stdout
+    assert "intermediates" in text and "ONNX export" in text and "3 engines, " in text
 
     out = tmp_path / "img.png"
     report = _json(sd_accel("generate", "--engines", "--engine-dir", engines, "--size", "64x64", "--steps", "2",
@@ -135,13 +146,17 @@ def test_build_list_generate_delete_prune(tmp_path):
     unet = next(e["name"] for e in built["engines"] if e["component"] == "unet")
     proc = sd_accel("delete", unet, "--engine-dir", engines)
     assert proc.returncode == 0 and unet in proc.stdout
+    assert "removed onnx/unet." in proc.stdout  # no engine needs that export any more
     proc = sd_accel("delete", unet, "--engine-dir", engines)
     assert proc.returncode == 2 and "no engine named" in proc.stderr
 
     proc = sd_accel("prune", "--max-size", "1B", "--engine-dir", engines)
-    assert proc.returncode == 0 and "2 engine(s) removed" in proc.stdout
-    assert _json(sd_accel("list", "--engine-dir", engines, "--json"))["engines"] == []
-    assert (tmp_path / "engines" / "onnx").is_dir()  # exported ONNX is not an engine; prune keeps it
+    assert proc.returncode == 0 and "2 engine(s) removed" in proc.stdout and "removed onnx/vae_decoder." in proc.stdout
+    listed = _json(sd_accel("list", "--engine-dir", engines, "--json"))
+    assert listed["engines"] == [] and listed["intermediates"] == [] and listed["total_bytes"] == 0
+    # no hidden gigabytes: nothing but empty lock files is left of the exports
+    assert not [p for p in (tmp_path / "engines").rglob("*") if p.is_file() and p.stat().st_size
+                and p.name != "index.json"]
 
 
 @pytest.mark.slow

@@ -48,8 +48,9 @@ def built(tmp_path_factory):
 def engine_pipe(engine_dir: Path, **config):
     pipe = load_pipeline("builtin:tiny-sd15")
     # Euler: one UNet call per step, so call counts are exact (PLMS makes one extra).
+    # the engines here are ONNX Runtime's; auto on a CPU would look for OpenVINO ones
     return accelerate(pipe, AccelConfig(engines=True, engine_dir=str(engine_dir), precision="fp32",
-                                        sampler="Euler", **config))
+                                        sampler="Euler", **{"backend": "onnxruntime", **config}))
 
 
 @pytest.mark.slow
@@ -151,7 +152,8 @@ def test_second_process_reuses_cache_without_export(built):
         events = []
         recs = build_engines(pipe, profiles=[{STATIC!r}, {DYNAMIC!r}], backend="onnxruntime",
                              engine_dir={str(engine_dir)!r}, progress=events.append)
-        pipe = accelerate(pipe, AccelConfig(engines=True, engine_dir={str(engine_dir)!r}, sampler="Euler"))
+        pipe = accelerate(pipe, AccelConfig(engines=True, engine_dir={str(engine_dir)!r}, sampler="Euler",
+                                            backend="onnxruntime"))
         pipe("a cat", num_inference_steps=2, height=64, width=64)
         print(json.dumps({{"exports": len(calls), "stages": sorted({{e.stage for e in events}}),
                           "n": len(recs), "unet": stats(pipe)["unet"]["engine_calls"]}}))
@@ -288,7 +290,8 @@ def test_sdxl_engines_match_torch(tmp_path):
     assert {r.key.component for r in records} == {"clip", "clip2", "unet", "vae_decoder", "vae_encoder"}
     ref = generate(accelerate(load_pipeline("builtin:tiny-sdxl"), precision="fp32", sampler="Euler"))
     pipe = accelerate(load_pipeline("builtin:tiny-sdxl"),
-                      AccelConfig(engines=True, engine_dir=str(tmp_path), precision="fp32", sampler="Euler"))
+                      AccelConfig(engines=True, engine_dir=str(tmp_path), precision="fp32", sampler="Euler",
+                                  backend="onnxruntime"))
     out = generate(pipe)
     assert np.abs(out - ref).max() < 2e-3
     s = stats(pipe)

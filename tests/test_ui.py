@@ -42,8 +42,9 @@ def _tiny_request(**kw) -> GenerateRequest:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A state whose engine dir holds the three 64x64 engines, and the updates of that build."""
-    state = PanelState(engine_dir=str(tmp_path_factory.mktemp("ui-engines")))
+    """A state whose engine dir holds the three 64x64 engines, and the updates of that build.
+    ONNX Runtime fp32 (not auto's OpenVINO bf16 on CPUs): exact engines, so the table's error is ~0."""
+    state = PanelState(engine_dir=str(tmp_path_factory.mktemp("ui-engines")), backend="onnxruntime")
     updates = _drain(state.build(BuildRequest(profile=STATIC_64, components=COMPONENTS)))
     return state, updates
 
@@ -116,11 +117,17 @@ def test_build_reports_progress_and_fills_the_table(built):
     assert fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
     assert any("Engine 2 of 3" in u.text and "unet" in u.text for u in updates)
     rows = engine_rows(state.cache())
-    assert sorted(r[0] for r in rows) == ["clip", "unet", "vae_decoder"]
-    for row in rows:
+    engines = [r for r in rows if not r[9].startswith("onnx/")]
+    assert sorted(r[0] for r in engines) == ["clip", "unet", "vae_decoder"]
+    for row in engines:
         assert row[1] == "static.b1.h64.w64.t77" and row[2] == "fp32" and row[3].startswith("onnxruntime")
         assert row[6] == "ok" and float(row[5]) < 1e-3 and row[4].endswith("B")
-    assert disk_usage(state.cache()).startswith("3 engines, ")
+    # the ONNX exports they were built from are rows too, and the disk line counts them
+    exports = [r for r in rows if r[9].startswith("onnx/")]
+    assert sorted(r[0] for r in exports) == ["clip", "unet", "vae_decoder"]
+    assert all(r[3] == "ONNX export" and r[6] == "kept for 1 engine" for r in exports)
+    line = disk_usage(state.cache())
+    assert line.startswith("3 engines, ") and "+ intermediates" in line
     assert not state.building
 
 
@@ -144,7 +151,9 @@ def test_delete_removes_the_engine_and_generation_sees_it(built):
     state.generate(_tiny_request())  # a cached engine-backed pipeline, swapped before the delete
     unet = next(n for n in engine_names(state.cache()) if n.startswith("unet."))
     assert state.delete(unet).startswith("Deleted")
-    assert unet not in engine_names(state.cache()) and len(engine_rows(state.cache())) == 2
+    assert unet not in engine_names(state.cache()) and len(engine_names(state.cache())) == 2
+    # its ONNX export went with it (no engine needs it); the others' stay
+    assert sorted(r[0] for r in engine_rows(state.cache()) if r[9].startswith("onnx/")) == ["clip", "vae_decoder"]
     assert "No engine named" in state.delete(unet)
     assert "Pick an engine" in state.delete("")
     out = state.generate(_tiny_request())

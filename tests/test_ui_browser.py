@@ -172,8 +172,11 @@ def test_build_generate_delete_in_browser(app, page):
     expect(progress).to_contain_text("Done", timeout=BUILD_TIMEOUT_MS)
     expect(progress).to_contain_text("clip2")  # ticked, but SD 1.5 has none: said so
     expect(page.locator("#sd-accel-disk").first).to_contain_text("3 engines")
-    rows = _engine_rows(page, 3)
+    rows = _engine_rows(page, 6)  # 3 engines, and the 3 ONNX exports they were built from
+    exports = [r for r in rows if "ONNX export" in r]
+    rows = [r for r in rows if "ONNX export" not in r]
     assert sorted(r.split()[0] for r in rows) == ["clip", "unet", "vae_decoder"], rows
+    assert sorted(r.split()[0] for r in exports) == ["clip", "unet", "vae_decoder"], exports
     assert all("static.b1.h64.w64.t77" in r for r in rows), rows
     _shot(page, "ui-engines.png")
 
@@ -204,8 +207,8 @@ def test_build_generate_delete_in_browser(app, page):
     page.locator("#sd-accel-delete").click()
     expect(page.locator("#sd-accel-engine-action").first).to_contain_text("Deleted")
     expect(page.locator("#sd-accel-disk").first).to_contain_text("2 engines")
-    rows = _engine_rows(page, 2)
-    assert sorted(r.split()[0] for r in rows) == ["clip", "vae_decoder"], rows
+    rows = _engine_rows(page, 4)  # the unet's export went with it: no engine needs it
+    assert sorted(r.split()[0] for r in rows) == ["clip", "clip", "vae_decoder", "vae_decoder"], rows
     _shot(page, "ui-engines-after-delete.png")
 
     _tab(page, "Settings")

@@ -40,8 +40,13 @@ def _lean(monkeypatch, caplog):
     harness.purge()
 
 
+EXACT = {"sd_accel_backend": "onnxruntime"}
+
+
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory) -> Path:
+    """The engines the tests below share: built with ONNX Runtime fp32 (``EXACT``), not auto's
+    OpenVINO bf16 on CPUs, so the jobs on them match PyTorch to 2e-3."""
     return tmp_path_factory.mktemp("webui-engines")
 
 
@@ -188,7 +193,7 @@ def test_install_keeps_the_webuis_exact_pins_and_adds_openvino_on_cpu(tmp_path, 
 
 
 def test_a1111_job_on_engines_with_fallback(tmp_path, engine_dir, caplog, capsys):
-    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    webui = harness.start(tmp_path, engine_dir=engine_dir, options=EXACT)
     from ldm.modules.diffusionmodules import openaimodel
     from modules import sd_hijack
 
@@ -291,7 +296,7 @@ def test_a1111_job_on_engines_with_fallback(tmp_path, engine_dir, caplog, capsys
 
 
 def test_api_routes_list_build_delete(tmp_path, engine_dir):
-    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    webui = harness.start(tmp_path, engine_dir=engine_dir, options=EXACT)
     client = webui.client()
     listed = client.get("/sd-accel/engines").json()
     if len(listed["engines"]) < 2:
@@ -316,6 +321,7 @@ def test_api_routes_list_build_delete(tmp_path, engine_dir):
     shutil.copytree(engine_dir, tmp_path / "copy")
     response = client.delete(f"/sd-accel/engines/{names[0]}")
     assert response.status_code == 200 and response.json()["deleted"] == names[0]
+    assert response.json()["onnx_removed"] == []  # the other engines of these weights still need it
     assert names[0] not in [e["name"] for e in client.get("/sd-accel/engines").json()["engines"]]
 
     # Disk: the ONNX exports are counted, and go with the last engine that needs them.
@@ -325,9 +331,15 @@ def test_api_routes_list_build_delete(tmp_path, engine_dir):
     from sd_accel.webui.tab import WebUIPanelState
 
     assert "ONNX exports" in WebUIPanelState().disk_usage()
-    for name in names[1:]:
-        assert client.delete(f"/sd-accel/engines/{name}").status_code == 200
-    disk = client.get("/sd-accel/engines").json()["disk"]
+    removed = []
+    for name in names[1:]:  # every engine: nothing is left of them, the exports included
+        response = client.delete(f"/sd-accel/engines/{name}")
+        assert response.status_code == 200
+        removed += response.json()["onnx_removed"]
+    assert removed and all(r.startswith("onnx/") for r in removed)
+    after = client.get("/sd-accel/engines").json()
+    assert after["engines"] == [] and after["intermediates"] == [] and after["total_bytes"] == 0
+    disk = after["disk"]
     assert disk["engines"] == 0 and disk["onnx_bytes"] == 0 and disk["total_bytes"] == 0
     assert not [p for p in (tmp_path / "copy" / "onnx").iterdir() if not p.name.startswith(".")]
 
@@ -355,7 +367,7 @@ def test_webui_flags_respected_by_the_export(tmp_path):
 
 
 def test_lora_merged_weights_get_their_own_engines(tmp_path, engine_dir, capsys):
-    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    webui = harness.start(tmp_path, engine_dir=engine_dir, options=EXACT)
     from sd_accel.webui.jobs import build_for_checkpoint
 
     unet = webui.shared.sd_model.model.diffusion_model
@@ -437,7 +449,7 @@ def test_webui_path_does_not_import_diffusers(tmp_path):
 
 def test_unusable_backend_never_breaks_a_job(tmp_path, engine_dir, capsys):
     """TensorRT picked where it cannot run: the tab says why and how to fix it; jobs run in PyTorch."""
-    webui = harness.start(tmp_path, engine_dir=engine_dir)
+    webui = harness.start(tmp_path, engine_dir=engine_dir, options=EXACT)
     from sd_accel.webui.tab import status_markdown
 
     if not webui.sd_unet.unet_options:

@@ -4,10 +4,16 @@ A backend is one folder under ``sd_accel/backends/`` whose ``__init__`` has ``cr
 returning an object that keeps the contract in ``base.py``, plus one entry below. Importing this
 module is cheap: a backend's folder (and its library) is imported only when it is used.
 
+``auto`` is the fastest usable backend for the device: on an NVIDIA GPU TensorRT where it imports,
+else ONNX Runtime; on a CPU OpenVINO (a regular dependency where its wheels exist: bf16 on CPUs
+with AVX512-BF16 or AMX, fp32 elsewhere; int8 only when asked), else ONNX Runtime.
+
 >>> [entry.name for entry in TABLE]
 ['tensorrt', 'openvino', 'onnxruntime']
 >>> entry("openvino").torch_device
 'cpu'
+>>> auto_order("cpu"), auto_order("cuda")
+(('openvino', 'onnxruntime'), ('tensorrt', 'onnxruntime'))
 """
 
 from __future__ import annotations
@@ -29,18 +35,33 @@ class BackendEntry:
     torch_device: str  # where its runner's feeds and the torch reference live ("cpu" or "cuda")
     runs_on: str  # for doctor and errors
     install: str  # how a user gets it
+    builds: tuple[str, ...] = ()  # every precision it builds on some machine (for hints)
+    # (precision, what it needs) where that depends on the machine or an optional package
+    needs: tuple[tuple[str, str], ...] = ()
 
 
 TABLE: tuple[BackendEntry, ...] = (
     BackendEntry("tensorrt", "sd_accel.backends.tensorrt", "cuda", "NVIDIA GPUs",
-                 "pip install 'sd-accel[tensorrt]' with a CUDA build of torch (see README, GPU)"),
+                 "pip install 'sd-accel[tensorrt]' with a CUDA build of torch (see README, GPU)",
+                 builds=("fp16", "fp32")),
     BackendEntry("openvino", "sd_accel.backends.openvino", "cpu", "CPUs (bf16 with AVX512-BF16 or AMX, int8 with NNCF)",
-                 "pip install 'sd-accel[openvino]'"),
+                 "pip install openvino (installed with sd-accel where OpenVINO has wheels: Linux x86_64 "
+                 "and aarch64, Windows x86_64, macOS arm64)",
+                 builds=("fp32", "bf16", "int8"),
+                 needs=(("bf16", "bf16 needs a CPU with AVX512-BF16 or AMX (`sd-accel doctor` shows the CPU "
+                                 "class); build fp32, or int8 with NNCF"),
+                        ("int8", "OpenVINO int8 needs NNCF, which is not installed: `pip install nncf` "
+                                 "(or `pip install 'sd-accel[openvino]'`)"))),
     BackendEntry("onnxruntime", "sd_accel.backends.onnxruntime", "cpu", "CPUs, and NVIDIA GPUs with onnxruntime-gpu",
-                 "pip install onnxruntime"),
+                 "pip install onnxruntime", builds=("fp32", "int8", "int8-dynamic")),
 )
-# ``auto`` takes the first of these that is usable here.
-AUTO_ORDER: tuple[str, ...] = ("tensorrt", "onnxruntime")
+# ``auto`` takes the first of these that is usable here, by device kind: OpenVINO is the fastest
+# CPU backend measured (scripts/BENCHMARKS.md), and its engines run on the CPU only, so a machine
+# with CUDA but no TensorRT keeps ONNX Runtime (its CUDA provider when present).
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("tensorrt", "onnxruntime"),
+    "cpu": ("openvino", "onnxruntime"),
+}
 
 
 def names() -> tuple[str, ...]:
@@ -65,17 +86,29 @@ def create(name: str, cache_root: Path | None = None):
     return importlib.import_module(entry(name).module).create(cache_root)
 
 
-def get_backend(name: str = "auto", cache_root: Path | None = None):
-    """A usable backend: ``name``, or for ``auto`` the first usable one of ``AUTO_ORDER``.
+def auto_order(device: str | None = None) -> tuple[str, ...]:
+    """The backends ``auto`` tries, in order, for ``device`` (``cuda``, ``cuda:1``, ``cpu``, ``mps``;
+    default: CUDA when torch sees a GPU, else the CPU). Every non-CUDA device takes the CPU order:
+    the CPU backends' engines run on the CPU whatever torch runs on."""
+    if device is None:
+        import torch  # here, not at import: the registry stays cheap to import
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return AUTO_ORDER["cuda" if str(device).startswith("cuda") else "cpu"]
+
+
+def get_backend(name: str = "auto", cache_root: Path | None = None, device: str | None = None):
+    """A usable backend: ``name``, or for ``auto`` the first usable one of :func:`auto_order`.
 
     A named backend that cannot run here raises ``DeviceError`` saying why and how to get it.
     """
     if name == "auto":
-        for candidate in AUTO_ORDER:
+        order = auto_order(device)
+        for candidate in order:
             backend = create(candidate, cache_root)
             if backend.info().usable:
                 return backend
-        raise DeviceError(f"no backend of {', '.join(AUTO_ORDER)} can run here; `sd-accel doctor` says why")
+        raise DeviceError(f"no backend of {', '.join(order)} can run here; `sd-accel doctor` says why")
     backend = create(name, cache_root)
     info = backend.info()
     if not info.usable:
@@ -83,21 +116,41 @@ def get_backend(name: str = "auto", cache_root: Path | None = None):
     return backend
 
 
+def check_precision(backend, precision: str) -> None:
+    """``InvalidValue`` unless ``backend`` builds ``precision`` here; the message says what that
+    precision needs (a CPU feature, a package to install) or which backend builds it.
+
+    >>> check_precision(create("onnxruntime"), "fp16")                # doctest: +SKIP
+    InvalidValue: precision='fp16': the onnxruntime backend builds fp32, int8, int8-dynamic here; ...
+    """
+    built = tuple(backend.precisions())
+    if precision in built:
+        return
+    known = next((e for e in TABLE if e.name == backend.name), None)
+    why = dict(known.needs).get(precision) if known is not None else None
+    if why is None:
+        others = [e.name for e in TABLE if precision in e.builds and e.name != backend.name]
+        why = (f"{precision} engines come from the {' or '.join(others)} backend (backend=... / --backend)"
+               if others else f"no backend builds {precision!r}")
+    raise InvalidValue(f"precision={precision!r}: the {backend.name} backend builds {', '.join(built)} here; {why}")
+
+
 def describe(cache_root: Path | None = None) -> list[dict[str, Any]]:
     """Every backend in the table with what it can do on this machine (``sd-accel doctor``)."""
     rows = []
-    auto = None
+    usable = set()
     for e in TABLE:
         backend = create(e.name, cache_root)
         info = backend.info()
-        if info.usable and auto is None and e.name in AUTO_ORDER:
-            auto = e.name
+        if info.usable:
+            usable.add(e.name)
         rows.append({
             "name": e.name, "usable": info.usable, "version": info.version or None, "arch": info.arch,
             "runs_on": e.runs_on, "precisions": list(backend.precisions()) if info.usable else [],
             "default_precision": backend.default_precision() if info.usable else None,
             "why_not": info.why_not or None, "install": None if info.usable else e.install,
         })
+    auto = next((n for n in auto_order() if n in usable), None)
     for row in rows:
         row["auto"] = row["name"] == auto
     return rows

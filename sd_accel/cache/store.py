@@ -11,7 +11,10 @@ Layout under the root::
     <root>/.locks/<key.name>.lock      held while that engine is built or deleted
     <root>/.locks/index.lock           held for each index / meta.json update (milliseconds)
     <root>/.tmp-<key.name>-<pid>/      a build in progress; renamed into place on commit
-    <root>/onnx/, anything else        other modules' files: never listed, never pruned
+    <root>/onnx/, <root>/calibration/  intermediates other modules write (ONNX exports, int8
+                                       calibration data): counted, and removed when no engine
+                                       needs them (:mod:`sd_accel.cache.intermediates`)
+    anything else                      never listed, never pruned
 
 ``meta.json`` is what counts: the index is only a fast path, and it is rebuilt from the
 folders whenever it is missing, unreadable, of another schema or out of step with them.
@@ -47,6 +50,7 @@ from filelock import FileLock, Timeout
 from ..core import SPEC_VERSION, EngineError, InvalidValue, ShapeRanges
 from ..paths import default_engine_dir
 from ..units import format_size
+from .intermediates import ONNX_DIR, Intermediate, parse_name, paths, scan, serves
 from .key import EngineKey
 from .record import (
     META_FILE,
@@ -64,7 +68,7 @@ logger = logging.getLogger(__name__)
 INDEX_SCHEMA = 1  # bump when the index or meta.json layout changes meaning
 INDEX_FILE = "index.json"
 LOCK_DIR = ".locks"
-RESERVED = frozenset({"onnx", "calibration"})  # top-level folders owned by other modules
+RESERVED = frozenset({"onnx", "calibration"})  # intermediates' folders: never engines (see intermediates.py)
 
 DEFAULT_BUILD_WAIT_S = 3600.0  # a TensorRT build of an SDXL UNet can take tens of minutes
 DEFAULT_DELETE_WAIT_S = 10.0
@@ -179,6 +183,37 @@ class BuildSlot:
 # --------------------------------------------------------------------------- the cache
 
 
+@dataclass(frozen=True)
+class DiskUsage:
+    """What the cache holds on disk: engines and the intermediates kept beside them.
+
+    >>> usage = cache.disk_usage()                                         # doctest: +SKIP
+    >>> usage.describe()                                                   # doctest: +SKIP
+    '3 engines, 1.9 GB + intermediates 3.3 GB (ONNX exports, calibration data) = 5.2 GB'
+    """
+
+    engines: int
+    engines_bytes: int
+    intermediates: tuple[Intermediate, ...]
+
+    @property
+    def intermediates_bytes(self) -> int:
+        return sum(i.size_bytes for i in self.intermediates)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.engines_bytes + self.intermediates_bytes
+
+    def describe(self) -> str:
+        """One line for faces: engines, intermediates and the total."""
+        line = f"{self.engines} engine{'s' if self.engines != 1 else ''}, {format_size(self.engines_bytes)}"
+        if self.intermediates:
+            unused = sum(i.size_bytes for i in self.intermediates if i.unused)
+            line += (f" + intermediates {format_size(self.intermediates_bytes)} (ONNX exports, calibration data"
+                     + (f"; {format_size(unused)} unused, removed by delete/prune" if unused else "") + ")")
+        return f"{line} = {format_size(self.total_bytes)}"
+
+
 @dataclass
 class _Snapshot:
     records: dict[str, EngineRecord]
@@ -238,8 +273,118 @@ class EngineCache:
         return self._snapshot().broken
 
     def total_size(self) -> int:
-        """Bytes of engine files in listed engines (meta.json and broken folders not counted)."""
+        """Bytes of engine files in listed engines (meta.json and broken folders not counted).
+        What the cache holds on disk in all, intermediates included: :meth:`disk_usage`."""
         return sum(r.size_bytes for r in self.list())
+
+    # ---- intermediates: ONNX exports and calibration data (sd_accel.cache.intermediates)
+
+    def intermediates(self) -> builtins.list[Intermediate]:
+        """Every ONNX export and calibration file under the root, with the engines it is kept for."""
+        return scan(self.root, self.list(), self._components_building())
+
+    def disk_usage(self) -> DiskUsage:
+        """Engines plus intermediates: what ``list``, the panel and the WebUI API count."""
+        records = self.list()
+        return DiskUsage(len(records), sum(r.size_bytes for r in records),
+                         tuple(scan(self.root, records, self._components_building())))
+
+    def drop_unused_intermediates(self) -> builtins.list[Intermediate]:
+        """Remove every intermediate no engine needs any more (see the rule in
+        :mod:`sd_accel.cache.intermediates`); never one a running build may read. Returns them.
+        :meth:`delete` and :meth:`prune` call this."""
+        return self._drop(lambda item: item.unused)
+
+    def drop_intermediates_of(
+        self, records: Iterable[EngineRecord], kinds: Iterable[str] = (ONNX_DIR,)
+    ) -> builtins.list[Intermediate]:
+        """Remove the intermediates of ``kinds`` that ``records`` were built from, although those
+        engines are kept: what ``build_engines(keep_onnx=False)`` calls after its last build (an
+        engine runs from its own folder; another profile of it then exports again). Skips one
+        that a running build (in any process) may read. Returns what was removed."""
+        pairs = {pair for r in records for pair in serves(r)}
+        kinds = set(kinds)
+        return self._drop(lambda i: i.kind in kinds and (i.component, i.weights) in pairs and not i.building)
+
+    def delete_intermediate(self, name: str) -> bool:
+        """Remove one intermediate by its listed name (``onnx/unet.0123456789abcdef.s1``), even if
+        engines are kept for it. False if there is none; EngineError while a build may read it."""
+        parsed = parse_name(name)
+        if parsed is None:
+            raise InvalidValue(f"{name!r} is not an intermediate's name (onnx/... or calibration/..., "
+                               "as `sd-accel list` shows them); nothing deleted.")
+        wanted = "/".join(parsed)
+        item = next((i for i in self.intermediates() if i.name == wanted), None)
+        if item is None:
+            return False
+        if not self._drop(lambda i: i.name == wanted and not i.building):
+            raise EngineError(f"{wanted} is in use by a running build; delete it when the build is done.")
+        return True
+
+    def _drop(self, select: Callable[[Intermediate], bool]) -> builtins.list[Intermediate]:
+        """Remove the intermediates ``select`` picks, each under its export's lock and checked
+        again there. The order matters against a build in another process: ``build_one`` holds
+        its engine lock (and has its temp folder) before it asks for the export, and asking
+        takes the export's lock; so with that lock held here, either the build shows in
+        :meth:`_components_building` or it waits for the removal and exports again."""
+        removed = []
+        for item in self.intermediates():
+            if not select(item):
+                continue
+            if (self.root / item.kind).is_symlink():  # shared with other caches (the benchmark's rows)
+                logger.info("kept %s: %s is a link to a folder other caches share", item.name, item.kind)
+                continue
+            with self._intermediate_lock(item) as held:
+                if not held:
+                    logger.info("kept %s: an export of it is running", item.name)
+                    continue
+                current = next((i for i in self.intermediates() if i.name == item.name), None)
+                if current is None or not select(current):
+                    continue
+                for path in paths(self.root, current):
+                    _remove_tree(path)
+                logger.info("removed %s (%s, %s)", current.name, current.label, format_size(current.size_bytes))
+                removed.append(current)
+        return removed
+
+    @contextlib.contextmanager
+    def _intermediate_lock(self, item: Intermediate) -> Iterator[bool]:
+        """The lock ``sd_accel.onnx.export.ensure_onnx_artifact`` takes for the export of the
+        item's component and weights, held without waiting; yields False when it is busy."""
+        if not item.component:  # a name of another layout: nothing in sd-accel reads it
+            yield True
+            return
+        spec = item.spec_version if item.spec_version is not None else SPEC_VERSION
+        (self.root / ONNX_DIR).mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.root / ONNX_DIR / f"{item.component}.{item.weights}.s{spec}") + ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            lock.release()
+
+    def _components_building(self) -> set[str]:
+        """Components of the engines being built now, in any process: a ``.tmp-<name>-<pid>``
+        folder whose engine lock is held."""
+        building = set()
+        for entry in self._hidden_leftovers():
+            match = _LEFTOVER.match(entry.name)
+            if match and entry.name.startswith(".tmp-") and self._lock_held(match["name"]):
+                building.add(match["name"].split(".", 1)[0])
+        return building
+
+    def _lock_held(self, name: str) -> bool:
+        lock = self._lock(name)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return True
+        lock.release()
+        return False
 
     def rebuild_index(self) -> builtins.list[EngineRecord]:
         """Forget the index and write it again from the folders' meta.json files."""
@@ -424,13 +569,20 @@ class EngineCache:
             logger.debug("could not record the use of %s: %s", key.name, exc)
 
     def delete(self, name_or_key: str | EngineKey, timeout: float = DEFAULT_DELETE_WAIT_S) -> bool:
-        """Remove an engine's folder and index entry under its lock. False if there was none.
+        """Remove an engine's folder and index entry under its lock, then every intermediate no
+        engine needs any more (:meth:`drop_unused_intermediates`). False if there was no engine.
 
         Works on broken folders too. ValueError for a name that is not an engine's.
 
         >>> cache.delete("unet.sm89.fp16.static.b2.h512.w512.t77.tensorrt-10.5.0.0123456789ab.s1")  # doctest: +SKIP
         True
         """
+        existed = self._delete_engine(name_or_key, timeout)
+        if existed:
+            self.drop_unused_intermediates()
+        return existed
+
+    def _delete_engine(self, name_or_key: str | EngineKey, timeout: float) -> bool:
         name = _name_of(name_or_key)
         if not _is_engine_name(name):
             raise InvalidValue(f"{name!r} is not an engine name (see `list()`); nothing deleted.")
@@ -450,10 +602,13 @@ class EngineCache:
     def prune(
         self, max_bytes: int | None = None, older_than_s: float | None = None, *, now: float | None = None
     ) -> builtins.list[EngineRecord]:
-        """Delete engines unused for ``older_than_s``, then least-recently-used ones until the
-        total is at most ``max_bytes``. Returns the deleted records. Skips an engine that is
-        being built; never touches broken folders or other modules' folders. Also removes
-        temp folders left by dead builds.
+        """Delete engines unused for ``older_than_s``, then bring what the cache holds on disk
+        (engines plus intermediates, :meth:`disk_usage`) to at most ``max_bytes``: first the
+        intermediates kept for engines that stay (an engine runs without them), least recently
+        used engines' first, then least-recently-used engines. Intermediates no engine needs
+        any more are always removed. Returns the deleted engine records. Skips an engine that is
+        being built and whatever a running build may read; never touches broken folders or
+        other modules' folders. Also removes temp folders left by dead builds.
 
         >>> from sd_accel.units import parse_age, parse_size
         >>> cache.prune(max_bytes=parse_size("20GB"), older_than_s=parse_age("30d"))  # doctest: +SKIP
@@ -463,21 +618,40 @@ class EngineCache:
         now = time.time() if now is None else now
         records = sorted(self.list(), key=lambda r: r.last_used)
         victims = [r for r in records if older_than_s is not None and now - r.last_used > older_than_s]
-        if max_bytes is not None:
-            kept = [r for r in records if r not in victims]
-            total = sum(r.size_bytes for r in kept)
-            for record in kept:
-                if total <= max_bytes:
-                    break
-                victims.append(record)
-                total -= record.size_bytes
         removed = [r for r in victims if self._delete_if_free(r.name)]
+        self.drop_unused_intermediates()
+        if max_bytes is not None:
+            removed += self._prune_to(max_bytes)
         self._remove_dead_leftovers()
+        return removed
+
+    def _prune_to(self, max_bytes: int) -> builtins.list[EngineRecord]:
+        usage = self.disk_usage()
+        if usage.total_bytes <= max_bytes:
+            return []
+        records = sorted(self.list(), key=lambda r: r.last_used)
+        # intermediates kept for engines that stay: those of the least recently used engines first
+        last_use = {r.name: r.last_used for r in records}
+        kept = sorted((i for i in usage.intermediates if i.engines and not i.building),
+                      key=lambda i: max(last_use.get(n, 0.0) for n in i.engines))
+        total = usage.total_bytes
+        for item in kept:
+            if total <= max_bytes:
+                return []
+            total -= sum(i.size_bytes for i in self._drop(lambda i, name=item.name: i.name == name and not i.building))
+        removed = []
+        for record in records:
+            if total <= max_bytes:
+                break
+            if self._delete_if_free(record.name):
+                removed.append(record)
+                total -= record.size_bytes
+                total -= sum(i.size_bytes for i in self.drop_unused_intermediates())
         return removed
 
     def _delete_if_free(self, name: str) -> bool:
         try:
-            return self.delete(name, timeout=0)
+            return self._delete_engine(name, timeout=0)
         except EngineError as exc:
             logger.warning("prune skipped %s: %s", name, exc)
             return False

@@ -1,8 +1,13 @@
 """Weight precision, and a VAE that never returns a black image.
 
 fp16 VAEs overflow to NaN on some latents (SDXL's above all): the decoded image is then black.
-The guard keeps a VAE whose config asks for it (``force_upcast``) in fp32, and re-decodes once
-in fp32 when a half-precision decode produces NaN or inf.
+The guard keeps an fp16 VAE whose config asks for it (``force_upcast``) in fp32, and re-decodes
+once in fp32 when a half-precision decode (fp16 or bf16) produces NaN or inf.
+
+The upcast is for fp16's range (largest value 65504), which is what overflows. bf16 has fp32's
+range (8 exponent bits), so under ``precision="bf16"`` the VAE stays in bf16 (``vae_precision=
+"fp32"`` asks for fp32 anyway); the NaN guard still watches it. :data:`UPCAST_FOR` says which
+pipeline dtypes take the config's upcast.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from sd_accel.core import DeviceError
 log = logging.getLogger("sd_accel")
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Pipeline dtypes whose range a VAE's ``force_upcast`` is about: only fp16 (bf16 has fp32's range).
+UPCAST_FOR = frozenset({torch.float16})
 
 
 def resolve_precision(requested: str, device: torch.device) -> torch.dtype:
@@ -37,9 +44,20 @@ def resolve_precision(requested: str, device: torch.device) -> torch.dtype:
 
 
 def vae_dtype_for(vae, dtype: torch.dtype, vae_precision: str) -> torch.dtype:
+    """The VAE's dtype in a pipeline of ``dtype``: ``fp32`` always fp32; ``same`` the pipeline's;
+    ``auto`` fp32 for an fp16 pipeline whose VAE config asks for it (``force_upcast``: SDXL's, and
+    diffusers' default), else the pipeline's dtype (a bf16 pipeline keeps a bf16 VAE).
+
+    >>> from types import SimpleNamespace
+    >>> vae = SimpleNamespace(config=SimpleNamespace(force_upcast=True))
+    >>> vae_dtype_for(vae, torch.float16, "auto"), vae_dtype_for(vae, torch.bfloat16, "auto")
+    (torch.float32, torch.bfloat16)
+    >>> vae_dtype_for(vae, torch.bfloat16, "fp32")
+    torch.float32
+    """
     if vae_precision == "fp32":
         return torch.float32
-    if vae_precision == "auto" and dtype != torch.float32 and getattr(vae.config, "force_upcast", False):
+    if vae_precision == "auto" and dtype in UPCAST_FOR and getattr(vae.config, "force_upcast", False):
         return torch.float32
     return dtype
 

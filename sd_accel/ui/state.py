@@ -67,11 +67,14 @@ def preset_fields(name: str) -> tuple[str, str, str, str]:
 
 
 def engine_rows(cache) -> list[list[str]]:
-    """One row per engine in ``cache`` (an :class:`EngineCache`), columns :data:`ENGINE_HEADERS`."""
+    """One row per engine in ``cache`` (an :class:`EngineCache`), columns :data:`ENGINE_HEADERS`;
+    then one per intermediate kept beside them (ONNX export, calibration data), which the disk
+    line counts too."""
     from sd_accel.units import format_size
 
     rows = []
-    for r in cache.list():
+    records = cache.list()
+    for r in records:
         rel = (r.validation or {}).get("rel_l2")
         status = r.status if r.status == "ok" else f"{r.status}: {r.bad_reason or ''}".strip()
         rows.append([
@@ -86,6 +89,9 @@ def engine_rows(cache) -> list[list[str]]:
             r.key.model[:12],
             r.name,
         ])
+    for i in cache.intermediates():
+        rows.append([i.component or "-", "-", "-", i.label, format_size(i.size_bytes), "-", i.status, "-",
+                     i.weights[:12] or "-", i.name])
     return rows
 
 
@@ -98,11 +104,8 @@ CUSTOM_PRESET = "custom"  # the Preset picker's value once the ranges are edited
 
 
 def disk_usage(cache) -> str:
-    """One line: how many engines, how much disk, where."""
-    from sd_accel.units import format_size
-
-    n = len(cache.list())
-    return f"{n} engine{'s' if n != 1 else ''}, {format_size(cache.total_size())} on disk in `{cache.root}`"
+    """One line: how many engines, how much disk with the intermediates kept beside them, where."""
+    return f"{cache.disk_usage().describe()} on disk in `{cache.root}`"
 
 
 # --------------------------------------------------------------------------- requests and results

@@ -1,7 +1,8 @@
 """HTTP routes for headless use, added to the WebUI's FastAPI app (``on_app_started``).
 
 - ``GET /sd-accel/engines``: every engine in the engine directory, with the checkpoint it is for
-  and whether it loads on this machine, plus the disk use (engines and the ONNX exports);
+  and whether it loads on this machine, plus the intermediates kept beside them (ONNX exports, calibration data)
+  and the bytes of both (``total_bytes``; ``disk`` splits them by kind);
 - ``POST /sd-accel/build``: build engines for a checkpoint (default: the loaded one, loaded
   first when the WebUI has none yet), body ``{"checkpoint": "...", "preset": "static-512",
   "profile": {...}, "components": ["unet", "vae_decoder", "clip"], "backend": "auto",
@@ -109,8 +110,11 @@ def register(app: FastAPI, ctl: Controller | None = None) -> bool:
         def usable(r) -> bool:
             return info is not None and refusal(r, info) is None
 
+        usage = cache.disk_usage()
         return {"engine_dir": str(cache.root), "engines": [engine_json(r, usable(r)) for r in cache.list()],
-                "disk": disk_totals(cache)}
+                "intermediates": [i.to_dict() for i in usage.intermediates], "engines_bytes": usage.engines_bytes,
+                "intermediates_bytes": usage.intermediates_bytes, "total_bytes": usage.total_bytes,
+                "disk": disk_totals(cache, usage)}
 
     def build(body: BuildBody) -> dict[str, Any]:
         from sd_accel.core import BuildCancelled, SdAccelError

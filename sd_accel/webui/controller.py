@@ -29,28 +29,17 @@ OPT_BACKEND = "sd_accel_backend"
 OPT_FORGE = "sd_accel_forge_enabled"
 OPT_VAE_CLIP = "sd_accel_vae_clip_enabled"
 
-# What ``auto`` tries first inside a WebUI that computes on the CPU: the fastest CPU backend
-# (OpenVINO, which install.py installs there), then ONNX Runtime. Elsewhere ``auto`` is the
-# library's own (TensorRT on NVIDIA GPUs, then ONNX Runtime).
-CPU_AUTO_ORDER: tuple[str, ...] = ("openvino", "onnxruntime")
-
-
 def webui_backend(name: str, cache_root=None):
     """The runtime backend for ``name`` in the WebUI: ``auto`` on a WebUI that computes on the
-    CPU (``--use-cpu all``, Forge's ``--always-cpu``, a CPU torch) is the first usable of
-    :data:`CPU_AUTO_ORDER`; any other name, or no usable CPU backend, goes to
+    CPU (``--use-cpu all``, Forge's ``--always-cpu``, a CPU torch) takes the registry's CPU order
+    (OpenVINO, then ONNX Runtime), even on a machine with a GPU; any other name as
     :func:`sd_accel.backends.registry.get_backend` (which raises with the reason when unusable)."""
-    from sd_accel.backends.registry import create, get_backend
+    from sd_accel.backends.registry import get_backend
 
-    if name in (None, "", "auto") and host.runs_on_cpu():
-        for candidate in CPU_AUTO_ORDER:
-            try:
-                backend = create(candidate, cache_root)
-                if backend.info().usable:
-                    return backend
-            except Exception as exc:  # a broken install of one backend: the next one
-                log.debug("backend %s is not usable here: %s", candidate, exc)
-    return get_backend(name or "auto", cache_root=cache_root)
+    device = "cpu" if name in (None, "", "auto") and host.runs_on_cpu() else None
+    return get_backend(name or "auto", cache_root=cache_root, device=device)
+
+
 AUTO_PRESET = "auto (by model family)"
 
 

@@ -355,7 +355,6 @@ def build_loaded(
     engine ended up using (a failed build) is removed again.
     """
     from sd_accel.webui.controller import controller, webui_backend
-    from sd_accel.webui.disk import drop_unneeded
 
     be = webui_backend(backend_name, cache_root=cache.root)
     info = be.info()
@@ -367,7 +366,6 @@ def build_loaded(
         raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
     report = progress or (lambda ev: None)
     records = []
-    made: list[str] = []  # export folders this build used (removed again if no engine needs them)
     with host.queue_lock():
         model = model if model is not None else host.sd_model()
         source = export_source(model)
@@ -390,20 +388,17 @@ def build_loaded(
                         for profile in profiles:
                             tick = make_tick(report, cancel, index, total, job.spec.name, profile.tag)
                             records.append(_build_one(cache, be, info, job, source, profile, job_precision, tick,
-                                                      validate, made))
+                                                      validate))
                             index += 1
         finally:
-            drop_unneeded(cache, made)
+            cache.drop_unused_intermediates()  # the export of a build that failed
     return records
 
 
 def _build_one(cache, be, info, job: BuildJob, source: ExportSource, profile: Profile, precision: str,
-               tick, validate_it: bool, made: list[str]):
+               tick, validate_it: bool):
     """:func:`sd_accel.build.build_one`, keyed by the weights id, with the WebUI facts kept."""
     from sd_accel.build import build_one
-    from sd_accel.onnx.export import artifact_dir
-
-    made.append(artifact_dir(job.spec, cache.root).name)
 
     def webui_facts(artifact) -> dict:
         facts = {

@@ -32,9 +32,9 @@ def on_ui_settings() -> None:
                             section=SECTION)),
         (OPT_PRESET, info(AUTO_PRESET, "Default engine preset (tab and API)", gr.Dropdown,
                           {"choices": [AUTO_PRESET, *PRESETS]}, section=SECTION)),
-        (OPT_BACKEND, info("auto", "Engine backend (auto: the fastest usable here, as `sd-accel doctor` "
-                                   "lists them: TensorRT on NVIDIA GPUs, the CPU backends elsewhere)",
-                           gr.Dropdown, {"choices": list(BACKENDS)}, section=SECTION)),
+        (OPT_BACKEND, info("auto", "Engine backend (auto: TensorRT on NVIDIA GPUs where it imports, "
+                                   "on CPUs OpenVINO where installed, else ONNX Runtime)", gr.Dropdown, {"choices": list(BACKENDS)},
+                           section=SECTION)),
     ]
     if host.is_forge():
         options.append((OPT_FORGE, info(True, "Use engines when sampling (Forge)", section=SECTION)))
