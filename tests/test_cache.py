@@ -17,7 +17,7 @@ from sd_accel.cache import store
 from sd_accel.cache.key import EngineKey
 from sd_accel.cache.record import META_FILE, EngineRecord
 from sd_accel.cache.store import INDEX_FILE, INDEX_SCHEMA, EngineCache
-from sd_accel.core import EngineError
+from sd_accel.core import SPEC_VERSION, EngineError
 from sd_accel.paths import default_engine_dir
 from sd_accel.units import format_size
 
@@ -282,7 +282,7 @@ def test_other_modules_folders_are_never_touched(cache: EngineCache) -> None:
 WEIGHTS = make_key().model[:16]  # what an engine of make_key() was built from
 
 
-def export(cache: EngineCache, component: str = "unet", weights: str = WEIGHTS, spec: int = 1,
+def export(cache: EngineCache, component: str = "unet", weights: str = WEIGHTS, spec: int = SPEC_VERSION,
            size: int = 1000) -> Path:
     """An ONNX export folder as sd_accel.onnx.export lays it out."""
     folder = cache.root / "onnx" / f"{component}.{weights}.s{spec}"
@@ -309,16 +309,16 @@ def test_intermediates_are_counted_kept_for_their_engines_and_go_with_the_last(c
     unet_onnx = export(cache)
     unet_calib = calibration(cache)
     clip_calib = calibration(cache, "clip", "f" * 16)  # captured beside the UNet's; no clip engine
-    old_spec = export(cache, spec=0, size=10)  # another export spec version: no engine uses it
+    old_spec = export(cache, spec=SPEC_VERSION - 1, size=10)  # another export spec version: no engine uses it
     (cache.root / "onnx" / f"{unet_onnx.name}.lock").write_text("")  # the export's lock file: not data
 
     items = by_name(cache)
-    assert set(items) == {"onnx/unet.0123456789abcdef.s1", "onnx/unet.0123456789abcdef.s0",
+    assert set(items) == {f"onnx/unet.0123456789abcdef.s{SPEC_VERSION}", f"onnx/unet.0123456789abcdef.s{SPEC_VERSION - 1}",
                           f"calibration/{unet_calib.name}", f"calibration/{clip_calib.name}"}
-    kept = items["onnx/unet.0123456789abcdef.s1"]
+    kept = items[f"onnx/unet.0123456789abcdef.s{SPEC_VERSION}"]
     assert kept.engines == tuple(sorted([unet.name, unet_int8.name])) and kept.status == "kept for 2 engines"
     assert kept.size_bytes == 1002 and kept.label == "ONNX export"
-    assert items[f"calibration/{clip_calib.name}"].unused and items["onnx/unet.0123456789abcdef.s0"].unused
+    assert items[f"calibration/{clip_calib.name}"].unused and items[f"onnx/unet.0123456789abcdef.s{SPEC_VERSION - 1}"].unused
     usage = cache.disk_usage()
     assert usage.engines == 2 and usage.engines_bytes == unet.size_bytes + unet_int8.size_bytes
     assert usage.intermediates_bytes == 1002 + 12 + 300 + 300
@@ -327,7 +327,7 @@ def test_intermediates_are_counted_kept_for_their_engines_and_go_with_the_last(c
 
     # deleting one engine removes what no engine needs; the export stays for the other engine
     assert cache.delete(unet.name)
-    assert set(by_name(cache)) == {"onnx/unet.0123456789abcdef.s1", f"calibration/{unet_calib.name}"}
+    assert set(by_name(cache)) == {f"onnx/unet.0123456789abcdef.s{SPEC_VERSION}", f"calibration/{unet_calib.name}"}
     assert not clip_calib.exists() and not old_spec.exists()
     # deleting every engine leaves no intermediates behind
     assert cache.delete(unet_int8.name)
@@ -394,12 +394,12 @@ def test_an_export_being_written_is_never_removed(cache: EngineCache) -> None:
 
 def test_a_shared_onnx_folder_is_counted_but_never_emptied(cache: EngineCache, tmp_path: Path) -> None:
     shared = tmp_path / "shared-onnx"  # the benchmark links one export folder into each row's cache
-    (shared / f"unet.{WEIGHTS}.s1").mkdir(parents=True)
-    (shared / f"unet.{WEIGHTS}.s1" / "model.onnx").write_bytes(b"g" * 10)
+    (shared / f"unet.{WEIGHTS}.s{SPEC_VERSION}").mkdir(parents=True)
+    (shared / f"unet.{WEIGHTS}.s{SPEC_VERSION}" / "model.onnx").write_bytes(b"g" * 10)
     cache.root.mkdir(parents=True)
     (cache.root / "onnx").symlink_to(shared, target_is_directory=True)
     assert [i.size_bytes for i in cache.intermediates()] == [10]
-    assert cache.drop_unused_intermediates() == [] and (shared / f"unet.{WEIGHTS}.s1").is_dir()
+    assert cache.drop_unused_intermediates() == [] and (shared / f"unet.{WEIGHTS}.s{SPEC_VERSION}").is_dir()
 
 
 def test_prune_by_size_counts_intermediates_and_drops_them_before_engines(cache: EngineCache) -> None:
