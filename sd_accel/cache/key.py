@@ -17,7 +17,7 @@ class EngineKey:
 
     >>> EngineKey("0123456789abcdef", "unet", "onnxruntime", "1.32.0", "cpu-x86_64-avx512",
     ...           "fp32", "static.b1.h512.w512.t77").name
-    'unet.cpu-x86_64-avx512.fp32.static.b1.h512.w512.t77.onnxruntime-1.32.0.0123456789ab.ae0c0e15.s1'
+    'unet.cpu-x86_64-avx512.fp32.static.b1.h512.w512.t77.onnxruntime-1.32.0.0123456789ab.f7abbc5a.s2'
     """
 
     model: str  # fingerprint of the component's weights
