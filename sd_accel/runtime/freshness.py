@@ -58,7 +58,8 @@ def _peft_layer(module: torch.nn.Module) -> bool:
 def adapter_state(layer: torch.nn.Module) -> tuple:
     """What of a PEFT layer's state changes its output without touching a weight."""
     scaling = getattr(layer, "scaling", {}) or {}
-    return (tuple(layer.active_adapters), tuple(sorted(scaling.items())),
+    # rounded: a scale applied for one call and taken off again may come back one ulp away
+    return (tuple(layer.active_adapters), tuple(sorted((k, round(float(v), 9)) for k, v in scaling.items())),
             bool(getattr(layer, "disable_adapters", False)), tuple(layer.merged_adapters))
 
 

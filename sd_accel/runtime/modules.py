@@ -70,6 +70,10 @@ class EngineModule(ProxyModule):
             self.__dict__["_touched"] = True
         return value
 
+    @property
+    def _weights(self) -> WeightsSnapshot:
+        return self.__dict__["_weights"]
+
     def remember_weights(self) -> None:
         """Take the weights the engines serve as they are now (after a build, a park, a refit)."""
         self.__dict__["_weights"] = WeightsSnapshot.take(self.torch_module)
@@ -91,7 +95,26 @@ class EngineModule(ProxyModule):
             d["_touched"] = False  # (while otherwise stale, each call checks in full: it runs torch anyway)
             # only the full check sees changed values: remember them until a refit or a new swap
             d["_values_changed"] = what
+        if what is not None and self._refit_now():
+            what = d["_weights"].changed(full=True)
         return None if what is None else f"{STALE} ({what}): {_WHAT_TO_DO}"
+
+    def _refit_now(self) -> bool:
+        """``refit_engines(pipe, auto=True)``: refit (or take a kept refit) for the weights as they are."""
+        refit = self.__dict__.get("_auto_refit")
+        if refit is None:
+            return False
+        try:
+            return bool(refit(self))
+        except Exception as exc:  # a failed refit must not end the image; the calls run torch
+            self.__dict__["_auto_refit"] = None
+            log.error("%s: automatic refit failed, calls run torch until refit_engines(pipe) succeeds: %s",
+                      _TITLES.get(next(iter(self.engines), ""), "module"), exc)
+            return False
+
+    @property
+    def auto_refit(self) -> bool:
+        return self.__dict__.get("_auto_refit") is not None
 
     # The stood-in module's keys, not ``torch_module.``-prefixed ones: ``pipe.unet.load_state_dict(sd)``
     # loads into the torch module as it would without engines (and the next call sees the change).
@@ -130,31 +153,50 @@ class EngineUNet(EngineModule):
 
         engines = self.engines["unet"]
         return_dict = kwargs.get("return_dict", True)
-        reason = self.stale() or self._unsupported(args, kwargs)
-        out = feed = None
-        if reason is None:
-            try:
-                feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
-            except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
-                reason = f"inputs the engine cannot take ({type(exc).__name__}: {exc})"
-        if reason is not None:
-            engines.torch_call(reason)
-        else:
-            out = engines.run(feed, need=("latent",))
+        cak = kwargs.get("cross_attention_kwargs") or {}
+        scale = float(cak["scale"]) if set(cak) == {"scale"} else None  # a LoRA scale for this call
+        scaled = False
+        out = None
+        try:
+            if scale is not None and scale != 1.0 and self.auto_refit and self._weights.has_adapters():
+                # as the torch UNet would for this call; the engines serve it through a refit at this scale
+                from diffusers.utils import scale_lora_layers
+
+                scale_lora_layers(self.torch_module, scale)
+                scaled = True
+            reason = self.stale() or self._unsupported(args, kwargs, lora_scale=scale)
+            if reason is None:
+                try:
+                    feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
+                except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
+                    reason = f"inputs the engine cannot take ({type(exc).__name__}: {exc})"
+            if reason is not None:
+                engines.torch_call(reason)
+            else:
+                out = engines.run(feed, need=("latent",))
+        finally:
+            if scaled:  # torch (a fallback below) scales by itself
+                from diffusers.utils import unscale_lora_layers
+
+                unscale_lora_layers(self.torch_module, scale)
         if out is None:
             return self.torch_fallback()(sample, timestep, encoder_hidden_states, *args, **kwargs)
         latent = _out(out["latent"], sample, sample.dtype)
         return UNet2DConditionOutput(sample=latent) if return_dict else (latent,)
 
-    def _unsupported(self, args: tuple, kwargs: dict) -> str | None:
+    def _unsupported(self, args: tuple, kwargs: dict, lora_scale: float | None = None) -> str | None:
         if args:
             return "positional arguments beyond (sample, timestep, encoder_hidden_states)"
         used = [k for k in self._UNSUPPORTED if kwargs.get(k) is not None]
         if used:
             return f"arguments the engine was not built for: {', '.join(used)}"
         cak = kwargs.get("cross_attention_kwargs")
-        if cak:
-            return f"cross_attention_kwargs {sorted(cak)} (e.g. a LoRA scale) are not in the engine"
+        if cak and lora_scale is None:
+            return f"cross_attention_kwargs {sorted(cak)} are not in the engine"
+        if lora_scale is not None and lora_scale != 1.0 and self._weights.has_adapters() and not self.auto_refit:
+            # (without LoRA layers a scale changes nothing: the engine serves the call)
+            return ("a LoRA scale in cross_attention_kwargs is not in the engine: refit_engines(pipe, auto=True) "
+                    "serves it on the engines")
         return None
 
     def _feed(self, sample, timestep, ehs, added) -> dict[str, torch.Tensor]:
