@@ -124,7 +124,10 @@ def initializer_map(model, torch_shapes: dict[str, tuple[int, ...]]) -> dict[str
         # named: "<wrapper attribute>.<torch name>" (or the torch name itself)
         for candidate in (name, name.partition(".")[2]):
             want = torch_shapes.get(candidate)
-            if want is not None and _numel(want) == size:
+            if want is not None and _numel(want) != size:  # a new vocabulary (an embedding), a new layer size
+                raise EngineError(f"{candidate} is {list(want)} now and {list(shape)} in the engine: the graph "
+                                  "changed, not only its weights; build new engines (build_engines(pipe))")
+            if want is not None:
                 out[name] = Target(candidate, False, shape)
                 break
         else:
@@ -136,7 +139,12 @@ def initializer_map(model, torch_shapes: dict[str, tuple[int, ...]]) -> dict[str
             parts = node.name.strip("/").split("/")
             if len(parts) < 3:
                 continue
-            path = ".".join(parts[1:-1])
+            scopes: list[str] = []
+            for scope in parts[1:-1]:
+                if scopes and scope.startswith(scopes[-1] + "."):  # a called Sequential: "inner", "inner.0"
+                    scopes.pop()
+                scopes.append(scope)
+            path = ".".join(scopes)
             candidate = f"{path}.{_ANON_PARAM[node.op_type]}"
             want = torch_shapes.get(candidate)
             if want is None or _numel(want) != size:

@@ -269,6 +269,32 @@ def test_effective_weights_are_base_plus_each_active_delta_under_the_original_na
     torch.testing.assert_close(effective_weights(m)["inner.0.weight"], plain["inner.0.weight"])
 
 
+def test_initializer_map_follows_the_exporter_names_and_refuses_a_changed_shape(tmp_path):
+    import onnx
+
+    from sd_accel.core import EngineError
+    from sd_accel.refit import initializer_map
+
+    class Wrapper(torch.nn.Module):  # as the export wrappers hold the module
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Tiny()
+
+        def forward(self, x):
+            return self.net(x)
+
+    w = Wrapper().eval()  # 3-D input: Linear exports as MatMul on a transposed, anonymous weight
+    path = tmp_path / "tiny.onnx"
+    torch.onnx.export(w, (torch.ones(1, 3, 8),), str(path), dynamo=False, do_constant_folding=True)
+    model = onnx.load(str(path))
+    shapes = {k: tuple(v.shape) for k, v in w.net.state_dict().items()}
+    targets = initializer_map(model, shapes)
+    assert {t.torch_name for t in targets.values()} == set(shapes)  # every weight found
+    assert any(t.transpose for t in targets.values())  # a Linear weight read by MatMul, transposed
+    with pytest.raises(EngineError, match="build new engines"):
+        initializer_map(model, {**shapes, "inner.0.bias": (9,)})
+
+
 def test_int8_engines_are_not_refitted_they_need_a_rebuild():
     from types import SimpleNamespace
 
