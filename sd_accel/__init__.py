@@ -19,6 +19,7 @@ _EXPORTS = {
     "accelerate": "sd_accel.api",
     "load_pipeline": "sd_accel.api",
     "build_engines": "sd_accel.build",
+    "refit_engines": "sd_accel.refit",
     "stats": "sd_accel.runtime.swap",
     "Profile": "sd_accel.profiles",
     "EngineCache": "sd_accel.cache.store",

@@ -15,10 +15,12 @@ from sd_accel.models.load import ModelInfo, load_pipeline
 from sd_accel.optimize.attention import apply_attention, resolve_attention
 from sd_accel.optimize.offload import apply_offload, apply_vae_memory
 from sd_accel.optimize.precision import install_vae_guard, resolve_precision, vae_dtype_for
+from sd_accel.refit import refit_engines
 
 log = logging.getLogger("sd_accel")
 
-__all__ = ["AccelState", "accelerate", "describe_machine", "load_pipeline", "ModelInfo", "resolve_device"]
+__all__ = ["AccelState", "accelerate", "describe_machine", "load_pipeline", "ModelInfo", "refit_engines",
+           "resolve_device"]
 
 
 @dataclass

@@ -8,7 +8,9 @@ The public entry for every face (the api layer's ``accelerate``, the WebUI adapt
 
 Run-time failures cost what they should (:mod:`.selection`): only an engine's own fault marks
 it bad in the cache. The torch weights of engine-served modules are parked in a memory-mapped
-spill file (:mod:`.weights`) and load on the first fallback.
+spill file (:mod:`.weights`) and load on the first fallback. Every call first checks that those
+weights are still the ones the engines were built from (:mod:`.freshness`: a LoRA, an edit): if not,
+it runs torch with the reason, until ``sd_accel.refit_engines(pipe)`` updates the engines.
 """
 
 from sd_accel.runtime.loader import engines_for, refusal, usable_handles

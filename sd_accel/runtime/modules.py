@@ -7,6 +7,10 @@ run unchanged. Engine outputs live in reused buffers; what is handed to diffuser
 While engines serve it, the torch module's weights are parked (memory-mapped from their model
 files or from a spill file, :mod:`sd_accel.runtime.weights`): they cost no RAM until a fallback
 pages them in, which is said once per module.
+
+Every call first checks that the torch weights are still those the engines were built from
+(:mod:`sd_accel.runtime.freshness`): after a LoRA, an edit or ``load_state_dict`` the call runs
+torch, counted with the reason, and the log says once what to do (``refit_engines(pipe)``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ from typing import Any
 import torch
 
 from sd_accel.runtime import weights
+from sd_accel.runtime.freshness import VALUES, WeightsSnapshot
 from sd_accel.runtime.selection import ComponentEngines
 
 log = logging.getLogger("sd_accel")
+
+STALE = "weights changed since the engines were built"
+_WHAT_TO_DO = "run sd_accel.refit_engines(pipe) to update the engines, or build new ones"
 
 _TITLES = {"unet": "UNet", "vae_decoder": "VAE", "vae_encoder": "VAE", "clip": "text encoder",
            "clip2": "second text encoder"}
@@ -54,6 +62,67 @@ class EngineModule(ProxyModule):
         super().__init__()
         self.torch_module = torch_module
         self.engines = engines
+        self.remember_weights()
+
+    def __getattr__(self, name: str) -> Any:
+        value = super().__getattr__(name)
+        if callable(value) and name != "torch_module":  # a method or a submodule: it may change weights
+            self.__dict__["_touched"] = True
+        return value
+
+    @property
+    def _weights(self) -> WeightsSnapshot:
+        return self.__dict__["_weights"]
+
+    def remember_weights(self) -> None:
+        """Take the weights the engines serve as they are now (after a build, a park, a refit)."""
+        self.__dict__["_weights"] = WeightsSnapshot.take(self.torch_module)
+        self.__dict__["_touched"] = False
+        self.__dict__["_values_changed"] = None
+
+    def touched(self) -> None:
+        """The torch module may have been changed behind the cheap checks: the next call makes
+        the full one (see :mod:`sd_accel.runtime.freshness`)."""
+        self.__dict__["_touched"] = True
+
+    def stale(self) -> str | None:
+        """Why the engines no longer fit the torch weights (a fallback reason), or None. Cheap:
+        runs on every call."""
+        d = self.__dict__
+        full = d["_touched"]
+        what = d["_values_changed"] or d["_weights"].changed(full=full)
+        if full and what in (None, VALUES):
+            d["_touched"] = False  # (while otherwise stale, each call checks in full: it runs torch anyway)
+            # only the full check sees changed values: remember them until a refit or a new swap
+            d["_values_changed"] = what
+        if what is not None and self._refit_now():
+            what = d["_weights"].changed(full=True)
+        return None if what is None else f"{STALE} ({what}): {_WHAT_TO_DO}"
+
+    def _refit_now(self) -> bool:
+        """``refit_engines(pipe, auto=True)``: refit (or take a kept refit) for the weights as they are."""
+        refit = self.__dict__.get("_auto_refit")
+        if refit is None:
+            return False
+        try:
+            return bool(refit(self))
+        except Exception as exc:  # a failed refit must not end the image; the calls run torch
+            self.__dict__["_auto_refit"] = None
+            log.error("%s: automatic refit failed, calls run torch until refit_engines(pipe) succeeds: %s",
+                      _TITLES.get(next(iter(self.engines), ""), "module"), exc)
+            return False
+
+    @property
+    def auto_refit(self) -> bool:
+        return self.__dict__.get("_auto_refit") is not None
+
+    # The stood-in module's keys, not ``torch_module.``-prefixed ones: ``pipe.unet.load_state_dict(sd)``
+    # loads into the torch module as it would without engines (and the next call sees the change).
+    def state_dict(self, *args, **kwargs):
+        return self.torch_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.torch_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def component_stats(self) -> dict[str, Any]:
         return {name: e.stats.to_dict() for name, e in self.engines.items()}
@@ -84,31 +153,50 @@ class EngineUNet(EngineModule):
 
         engines = self.engines["unet"]
         return_dict = kwargs.get("return_dict", True)
-        reason = self._unsupported(args, kwargs)
-        out = feed = None
-        if reason is None:
-            try:
-                feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
-            except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
-                reason = f"inputs the engine cannot take ({type(exc).__name__}: {exc})"
-        if reason is not None:
-            engines.torch_call(reason)
-        else:
-            out = engines.run(feed, need=("latent",))
+        cak = kwargs.get("cross_attention_kwargs") or {}
+        scale = float(cak["scale"]) if set(cak) == {"scale"} else None  # a LoRA scale for this call
+        scaled = False
+        out = None
+        try:
+            if scale is not None and scale != 1.0 and self.auto_refit and self._weights.has_adapters():
+                # as the torch UNet would for this call; the engines serve it through a refit at this scale
+                from diffusers.utils import scale_lora_layers
+
+                scale_lora_layers(self.torch_module, scale)
+                scaled = True
+            reason = self.stale() or self._unsupported(args, kwargs, lora_scale=scale)
+            if reason is None:
+                try:
+                    feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
+                except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
+                    reason = f"inputs the engine cannot take ({type(exc).__name__}: {exc})"
+            if reason is not None:
+                engines.torch_call(reason)
+            else:
+                out = engines.run(feed, need=("latent",))
+        finally:
+            if scaled:  # torch (a fallback below) scales by itself
+                from diffusers.utils import unscale_lora_layers
+
+                unscale_lora_layers(self.torch_module, scale)
         if out is None:
             return self.torch_fallback()(sample, timestep, encoder_hidden_states, *args, **kwargs)
         latent = _out(out["latent"], sample, sample.dtype)
         return UNet2DConditionOutput(sample=latent) if return_dict else (latent,)
 
-    def _unsupported(self, args: tuple, kwargs: dict) -> str | None:
+    def _unsupported(self, args: tuple, kwargs: dict, lora_scale: float | None = None) -> str | None:
         if args:
             return "positional arguments beyond (sample, timestep, encoder_hidden_states)"
         used = [k for k in self._UNSUPPORTED if kwargs.get(k) is not None]
         if used:
             return f"arguments the engine was not built for: {', '.join(used)}"
         cak = kwargs.get("cross_attention_kwargs")
-        if cak:
-            return f"cross_attention_kwargs {sorted(cak)} (e.g. a LoRA scale) are not in the engine"
+        if cak and lora_scale is None:
+            return f"cross_attention_kwargs {sorted(cak)} are not in the engine"
+        if lora_scale is not None and lora_scale != 1.0 and self._weights.has_adapters() and not self.auto_refit:
+            # (without LoRA layers a scale changes nothing: the engine serves the call)
+            return ("a LoRA scale in cross_attention_kwargs is not in the engine: refit_engines(pipe, auto=True) "
+                    "serves it on the engines")
         return None
 
     def _feed(self, sample, timestep, ehs, added) -> dict[str, torch.Tensor]:
@@ -134,7 +222,10 @@ class EngineTextEncoder(EngineModule):
                 output_hidden_states=None, return_dict=None, **kwargs):
         engines = self.engines[self.component]
         out = None
-        if attention_mask is not None or position_ids is not None or output_attentions:
+        reason = self.stale()
+        if reason is not None:
+            engines.torch_call(reason)
+        elif attention_mask is not None or position_ids is not None or output_attentions:
             engines.torch_call("attention_mask / position_ids / attentions are not in the engine")
         else:
             need = ("last_hidden_state", "text_embeds" if self.component == "clip2" else "pooler_output")
@@ -175,7 +266,7 @@ class EngineVAE(EngineModule):
 
         engines = self.engines.get("vae_decoder")
         sample = None
-        if engines is not None:
+        if engines is not None and self._fresh(engines):
             sample = self._per_item(engines, "latent", "images", z)
             if sample is not None and not torch.isfinite(sample).all():
                 engines.stats.engine_calls -= 1
@@ -190,11 +281,18 @@ class EngineVAE(EngineModule):
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         engines = self.engines.get("vae_encoder")
-        moments = self._per_item(engines, "images", "moments", x) if engines is not None else None
+        fresh = engines is not None and self._fresh(engines)
+        moments = self._per_item(engines, "images", "moments", x) if fresh else None
         if moments is None:
             return self.torch_fallback().encode(x, return_dict=return_dict, **kwargs)
         dist = DiagonalGaussianDistribution(moments)
         return AutoencoderKLOutput(latent_dist=dist) if return_dict else (dist,)
+
+    def _fresh(self, engines: ComponentEngines) -> bool:
+        reason = self.stale()
+        if reason is not None:
+            engines.torch_call(reason)
+        return reason is None
 
     def _per_item(self, engines: ComponentEngines, name_in: str, name_out: str, x: torch.Tensor):
         """With VAE slicing on, run one image at a time, as the torch VAE would."""

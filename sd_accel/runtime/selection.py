@@ -27,6 +27,7 @@ from sd_accel.runtime.stats import ComponentStats
 
 log = logging.getLogger("sd_accel")
 
+REFIT_CLOSED = "its refit was closed: run refit_engines(pipe) again"
 SUSPEND_AFTER = 3  # consecutive unexplained run-time failures before an engine is set aside (this process)
 
 # Out of memory as each library words it: ONNX Runtime ("Failed to allocate memory for requested
@@ -90,6 +91,7 @@ class EngineHandle:
     runner: object | None = None
     broken: str | None = None  # why it is not used any more (this process; faults are in the cache too)
     failures: int = 0  # run-time failures in a row (reset by a good call)
+    refit: object | None = None  # the runner refit_engines made (this process); the cache keeps the base engine
     shapes: ShapeRanges = field(init=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +162,9 @@ class ComponentEngines:
             if handle.runner is not None:
                 handle.runner.close()
                 handle.runner = None
+            if handle.refit is not None:  # loading again would bring back the weights it was built with
+                handle.refit = None
+                handle.broken = REFIT_CLOSED
 
     def _order(self, handle: EngineHandle, feed: dict[str, torch.Tensor]) -> tuple:
         precision = handle.record.key.precision

@@ -94,6 +94,7 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         _set(pipe, slot, wrapper)
         if served and park_weights:
             park(module, cache.root, slot)
+            wrapper.remember_weights()  # parking moves data, never values: not a change
     _guard_save(pipe)
     log.info("engines swapped in: %s%s", found, " (more are built on first use)" if builder is not None else "")
     return found
@@ -110,6 +111,7 @@ def _after_build(pipe, component: str, cache, park_weights: bool) -> None:
         release(wrapper.torch_module)
     elif park_weights:
         park(wrapper.torch_module, cache.root, slot)
+        wrapper.remember_weights()
 
 
 def set_build_progress(pipe, progress: bool | Callable[[Any], None]) -> None:
@@ -131,18 +133,45 @@ def _wrap(slot: str, module, engines: dict[str, ComponentEngines]) -> EngineModu
     return EngineTextEncoder(module, engines, SLOTS[slot][0])
 
 
+# Pipeline methods that must see the torch modules, not the stand-ins: saving (diffusers would
+# record the wrapper class) and diffusers' LoRA and embedding loaders, which pick what to do by the
+# module's class (a stand-in is neither a ModelMixin nor a PreTrainedModel: ``unload_lora_weights``
+# and ``fuse_lora`` would silently do nothing) and match its module names against the LoRA's keys.
+GUARDED_METHODS = (
+    "save_pretrained", "load_lora_weights", "fuse_lora", "unfuse_lora", "unload_lora_weights",
+    "set_adapters", "delete_adapters", "enable_lora", "disable_lora", "set_lora_device",
+    "enable_lora_hotswap", "get_active_adapters", "get_list_adapters", "load_textual_inversion",
+    "unload_textual_inversion",
+)
+
+
 def _guard_save(pipe) -> None:
-    """``save_pretrained`` saves the torch modules, never the engine wrappers."""
+    """``save_pretrained`` saves the torch modules, never the engine wrappers; the LoRA and
+    embedding loaders (:data:`GUARDED_METHODS`) work on the torch modules. What they change is
+    seen by the stand-ins' next call (:mod:`sd_accel.runtime.freshness`)."""
     if getattr(pipe, "_sd_accel_save_guarded", False):
         return
-    original = pipe.save_pretrained
-
-    def save_pretrained(*args, **kwargs):
-        with torch_modules(pipe):
-            return original(*args, **kwargs)
-
-    object.__setattr__(pipe, "save_pretrained", save_pretrained)
+    for name in GUARDED_METHODS:
+        original = getattr(pipe, name, None)
+        if callable(original):
+            object.__setattr__(pipe, name, _with_torch_modules(pipe, original))
     object.__setattr__(pipe, "_sd_accel_save_guarded", True)
+
+
+def _with_torch_modules(pipe, original):
+    import functools
+
+    @functools.wraps(original)
+    def guarded(*args, **kwargs):
+        saved = {slot: getattr(pipe, slot) for slot in SLOTS if isinstance(getattr(pipe, slot, None), EngineModule)}
+        try:
+            with torch_modules(pipe):
+                return original(*args, **kwargs)
+        finally:
+            for wrapper in saved.values():
+                wrapper.touched()
+
+    return guarded
 
 
 def set_fallback(pipe, allowed: bool) -> None:

@@ -1,0 +1,430 @@
+"""``refit_engines(pipe)``: engines that carry the torch weights a pipeline holds now (a LoRA
+loaded, scaled or fused, ``load_state_dict``, an edit), without exporting the model again.
+
+For each engine-backed module whose weights changed since its engines were built
+(:mod:`sd_accel.runtime.freshness`), and each of its engines:
+
+1. the ONNX graph the engine was built from (the export cached under ``<engines>/onnx``, keyed
+   by the base weights) is read, and its weight initializers are replaced by the module's
+   current *full* weights (base + every active LoRA's delta at its scale, never a delta on top
+   of an earlier refit: LoRA A, then B, then A again gives A);
+2. the backend builds from that graph the way it built the engine (ONNX Runtime: its optimized
+   session at the engine's shapes; OpenVINO: convert and compile) into a scratch folder under
+   ``<engines>/.refit`` that lives as long as the refitted engine (never in the index: the
+   base engine stays in the cache as it was);
+3. the refitted engine is validated against the torch module like a new one, and replaces the
+   engine in memory for this pipeline; the stand-in takes the current weights as its reference.
+
+The graph is never exported again (the slow, memory-hungry step: 35-72 s and 4 GB for SD 1.5's
+UNet); ONNX Runtime does optimize the session again (ORT's optimized model bakes weights into
+packed and reordered layouts that cannot be replaced one by one). INT8 engines are refused:
+their weights were quantized with calibrated scales, so a changed weight needs a rebuild.
+
+Names: the exporter keeps the torch names of most weights (``unet.conv_in.weight``); the ones it
+transposes or reshapes (a ``Linear``'s weight into a ``MatMul``, a ``GroupNorm``'s into a
+``Mul``/``Add``) get anonymous names (``onnx::MatMul_1565``), and are found by the node that
+reads them, whose name is the module's path (``/unet/down_blocks.0/.../to_k/MatMul``).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sd_accel.core import SPEC_VERSION, EngineError, InvalidValue
+from sd_accel.runtime.freshness import _peft_layer
+from sd_accel.runtime.selection import REFIT_CLOSED
+
+log = logging.getLogger("sd_accel")
+
+REFIT_DIR = ".refit"  # under the engine cache root: scratch folders of refitted engines
+NEEDS_REBUILD = ("int8", "int8-dynamic")  # weights quantized with calibrated scales
+
+
+# --------------------------------------------------------------------------- the weights
+
+
+def effective_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers under their own names (as without PEFT), each the
+    value the module computes with now: a LoRA layer's base weight plus the delta of each active,
+    unmerged adapter at its current scale (a merged one is in the base weight already)."""
+    lora_layers = {name: m for name, m in module.named_modules() if _peft_layer(m)}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        parts = name.split(".")
+        if any(p.startswith("lora_") for p in parts):  # the adapters' own weights: in the delta
+            continue
+        if "base_layer" not in parts:
+            out[name] = t.detach()
+            continue
+        cut = len(parts) - 1 - parts[::-1].index("base_layer")  # the innermost wrapped layer
+        layer_name = ".".join(parts[:cut])
+        leaf = ".".join(parts[cut + 1:])
+        value = t.detach()
+        layer = lora_layers.get(layer_name)
+        if layer is not None and leaf == "weight":
+            value = value + _delta(layer, layer_name)
+        out[f"{layer_name}.{leaf}" if layer_name else leaf] = value
+    return out
+
+
+def _delta(layer: torch.nn.Module, name: str) -> torch.Tensor:
+    merged = set(layer.merged_adapters)
+    if getattr(layer, "disable_adapters", False):
+        if merged:
+            raise EngineError(f"{name}: LoRA adapters are disabled but {sorted(merged)} merged; "
+                              "unmerge them (pipe.unfuse_lora()) before refitting")
+        return torch.zeros((), dtype=layer.get_base_layer().weight.dtype)
+    delta = torch.zeros((), dtype=layer.get_base_layer().weight.dtype)
+    with torch.no_grad():
+        for adapter in layer.active_adapters:
+            if adapter in merged or adapter not in getattr(layer, "lora_A", {}):
+                continue
+            delta = delta + layer.get_delta_weight(adapter)
+    return delta
+
+
+# --------------------------------------------------------------------------- torch names -> ONNX
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a torch weight goes in the ONNX graph."""
+
+    torch_name: str
+    transpose: bool  # a Linear's weight read by MatMul
+    shape: tuple[int, ...]
+
+
+_ANON_PARAM = {"MatMul": "weight", "Gemm": "weight", "Mul": "weight", "Add": "bias"}
+
+
+def initializer_map(model, torch_shapes: dict[str, tuple[int, ...]]) -> dict[str, Target]:
+    """ONNX initializer name -> the torch weight it holds, for the graph ``model`` (a ModelProto)
+    exported from a module whose weights have ``torch_shapes``. Initializers that are not a
+    weight (shape constants, folded values) are left out."""
+    out: dict[str, Target] = {}
+    inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            if name in inits:
+                readers.setdefault(name, []).append(node)
+    for name, shape in inits.items():
+        size = _numel(shape)
+        # named: "<wrapper attribute>.<torch name>" (or the torch name itself)
+        for candidate in (name, name.partition(".")[2]):
+            want = torch_shapes.get(candidate)
+            if want is not None and _numel(want) != size:  # a new vocabulary (an embedding), a new layer size
+                raise EngineError(f"{candidate} is {list(want)} now and {list(shape)} in the engine: the graph "
+                                  "changed, not only its weights; build new engines (build_engines(pipe))")
+            if want is not None:
+                out[name] = Target(candidate, False, shape)
+                break
+        else:
+            nodes = readers.get(name, [])
+            if len(nodes) != 1 or nodes[0].op_type not in _ANON_PARAM:
+                continue
+            node = nodes[0]
+            # "/unet/down_blocks.0/attentions.0/.../to_k/MatMul" -> "down_blocks.0.attentions.0....to_k"
+            parts = node.name.strip("/").split("/")
+            if len(parts) < 3:
+                continue
+            scopes: list[str] = []
+            for scope in parts[1:-1]:
+                if scopes and scope.startswith(scopes[-1] + "."):  # a called Sequential: "inner", "inner.0"
+                    scopes.pop()
+                scopes.append(scope)
+            path = ".".join(scopes)
+            candidate = f"{path}.{_ANON_PARAM[node.op_type]}"
+            want = torch_shapes.get(candidate)
+            if want is None or _numel(want) != size:
+                continue
+            transpose = node.op_type == "MatMul" and len(want) == 2 and tuple(reversed(want)) == shape
+            out[name] = Target(candidate, transpose, shape)
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def replace_weights(model, targets: dict[str, Target], weights: dict[str, torch.Tensor]) -> int:
+    """Write ``weights`` (torch names) into ``model``'s initializers (in place); the count written."""
+    from onnx import numpy_helper
+
+    written = 0
+    for init in model.graph.initializer:
+        target = targets.get(init.name)
+        if target is None or target.torch_name not in weights:
+            continue
+        value = weights[target.torch_name].detach().to("cpu", torch.float32)
+        if target.transpose:
+            value = value.t()
+        dtype = numpy_helper.to_array(init).dtype if not init.external_data else None
+        array = value.contiguous().reshape(target.shape).numpy()
+        new = numpy_helper.from_array(array.astype(dtype) if dtype is not None else array, init.name)
+        init.CopyFrom(new)
+        written += 1
+    return written
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def _artifact(cache_root: Path, record) -> Path:
+    key = record.key
+    path = Path(cache_root) / "onnx" / f"{key.component}.{key.model[:16]}.s{SPEC_VERSION}" / "model.onnx"
+    if not path.exists():
+        raise EngineError(f"{key.name}: the ONNX graph it was built from ({path.parent}) is gone (pruned?); "
+                          "rebuild the engine from the changed weights (build_engines(pipe)) instead")
+    return path
+
+
+def _scratch(cache_root: Path, name: str) -> Path:
+    root = Path(cache_root) / REFIT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{name[:60]}-", dir=root))
+
+
+class RefittedRunner:
+    """A runner built from changed weights; its scratch folder goes when it is closed or dropped."""
+
+    def __init__(self, runner, folder: Path, weights_id: str) -> None:
+        self.runner = runner
+        self.shapes = runner.shapes
+        self.folder = folder
+        self.weights_id = weights_id
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(folder), True)
+
+    def infer(self, feed):
+        return self.runner.infer(feed)
+
+    def close(self) -> None:
+        self.runner.close()
+        self._cleanup()
+
+
+def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Callable[[float, str], None],
+                 validate_it: bool = True) -> RefittedRunner:
+    """A runner for the engine of ``handle`` with ``weights`` (torch names, full values) in place
+    of the ones it was built with; validated against ``spec``'s torch module."""
+    import onnx
+
+    from sd_accel.profiles import Profile
+    from sd_accel.validate import validate
+
+    record = handle.record
+    precision = record.key.precision
+    if precision in NEEDS_REBUILD:
+        raise InvalidValue(f"{record.key.name}: {precision} engines cannot be refitted (their weights were "
+                           "quantized with calibrated scales); rebuild them from the changed weights "
+                           f"(build_engines(pipe, precision={precision!r})) or use an fp32/bf16 engine")
+    cache_root = Path(handle.cache.root)
+    source = _artifact(cache_root, record)
+    progress(0.0, "reading the exported graph")
+    model = onnx.load(str(source))
+    targets = initializer_map(model, {k: tuple(v.shape) for k, v in weights.items()})
+    written = replace_weights(model, targets, weights)
+    missed = sorted(set(weights) - {t.torch_name for t in targets.values()})
+    if missed:
+        log.debug("%s: %d torch tensors have no initializer of their own (folded): %s",
+                  record.key.name, len(missed), missed[:8])
+    folder = _scratch(cache_root, record.key.name)
+    try:
+        graph = folder / "graph"
+        graph.mkdir()
+        onnx.save_model(model, str(graph / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.onnx.data", size_threshold=1024)
+        del model
+        progress(0.2, f"building with {written} weights replaced")
+        engine = folder / "engine"
+        engine.mkdir()
+        shapes = handle.shapes
+        files = handle.backend.build(graph / "model.onnx", shapes, precision, engine,
+                                     lambda f, m: progress(0.2 + 0.6 * f, m))
+        shutil.rmtree(graph, ignore_errors=True)
+        runner = handle.backend.load(engine, files, shapes)
+        if validate_it:
+            progress(0.85, "validating against torch")
+            result = validate(spec, runner, Profile.from_tag(record.key.profile), precision,
+                              device=handle.backend.torch_device)
+            if not result.ok:
+                runner.close()
+                raise EngineError(f"{record.key.name}: the refitted engine failed validation ({result.why}); "
+                                  "it is not used")
+            log.info("%s: refitted engine validated (max abs error %.2e)", record.key.name, result.max_abs)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    progress(1.0, "refitted")
+    return RefittedRunner(runner, folder, record.key.model)
+
+
+def _closed(wrapper) -> bool:
+    return any(h.broken == REFIT_CLOSED for e in wrapper.engines.values() for h in e.handles)
+
+
+def _bar(progress: bool | Callable[[Any], None], label: str) -> tuple[Callable[[float, str], None], Callable]:
+    if callable(progress):
+        return (lambda f, m: progress((label, f, m))), (lambda: None)
+    if not progress:
+        return (lambda f, m: None), (lambda: None)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=100, desc=f"refit {label}", leave=False)
+
+    def tick(frac: float, msg: str) -> None:
+        bar.n = int(100 * frac)
+        bar.set_postfix_str(msg)
+        bar.refresh()
+
+    return tick, bar.close
+
+
+KEEP_REFITS = 4  # refits kept per module for auto=True (a few LoRA sets or scales switched between)
+
+
+def _state_key(module: torch.nn.Module) -> tuple:
+    """The weights a module computes with, as cheap identities: tensors (object, version) and
+    the PEFT layers' states. Equal keys: equal weights (a kept refit fits)."""
+    from sd_accel.runtime.freshness import adapter_state
+
+    tensors = tuple((id(t), t._version, t.data_ptr()) for t in (*module.parameters(), *module.buffers()))
+    return tensors, tuple(adapter_state(m) for m in module.modules() if _peft_layer(m))
+
+
+def _refit_module(wrapper, specs: dict, progress, validate: bool) -> list[tuple[Any, RefittedRunner]]:
+    """Refitted runners for every usable engine of ``wrapper`` (all or none)."""
+    weights = effective_weights(wrapper.torch_module)
+    new: list[tuple[Any, RefittedRunner]] = []
+    for component, engines in wrapper.engines.items():
+        for handle in engines.handles:
+            if handle.broken not in (None, REFIT_CLOSED):
+                continue
+            tick, close = _bar(progress, handle.name)
+            try:
+                new.append((handle, refit_engine(handle, weights, specs[component], tick, validate)))
+            except BaseException:
+                for _, runner in new:
+                    runner.close()
+                raise
+            finally:
+                close()
+    return new
+
+
+def _install(wrapper, pairs: list[tuple[Any, RefittedRunner]]) -> None:
+    kept = {id(r) for entry in wrapper.__dict__.get("_refits", {}).values() for _, r in entry}
+    for handle, runner in pairs:
+        if handle.runner is not None and handle.runner is not runner and id(handle.runner) not in kept:
+            handle.runner.close()
+        handle.runner = runner
+        handle.refit = runner
+        handle.broken = None
+    wrapper.remember_weights()
+
+
+def _auto_refit(pipe_ref, progress, validate: bool):
+    """The stand-ins' hook for ``auto=True``: on a call whose weights changed, install a kept
+    refit of these weights, or make one (and keep it, up to :data:`KEEP_REFITS`)."""
+
+    def refit(wrapper) -> bool:
+        from sd_accel.components import specs_for
+        from sd_accel.runtime.swap import torch_modules
+
+        refits = wrapper.__dict__.setdefault("_refits", {})
+        key = _state_key(wrapper.torch_module)
+        pairs = refits.pop(key, None)
+        if pairs is None:
+            pipe = pipe_ref()
+            if pipe is None:
+                return False
+            log.warning("%s: weights changed; refitting its engines to them (refit_engines(pipe, auto=True))",
+                        next(iter(wrapper.engines), "module"))
+            with torch_modules(pipe):
+                pairs = _refit_module(wrapper, specs_for(pipe), progress, validate)
+        refits[key] = pairs  # most recent last
+        while len(refits) > KEEP_REFITS:
+            old = refits.pop(next(iter(refits)))
+            for _, runner in old:
+                runner.close()
+        _install(wrapper, pairs)
+        return True
+
+    return refit
+
+
+def refit_engines(pipe, *, progress: bool | Callable[[Any], None] = True, validate: bool = True,
+                  force: bool = False, auto: bool | None = None) -> dict[str, list[str]]:
+    """Update the engines of ``pipe`` to the torch weights it holds now: after
+    ``pipe.load_lora_weights(...)``, ``set_adapters``, ``fuse_lora``, ``unload_lora_weights``,
+    ``load_state_dict`` or an edit, the engines serve the calls again instead of torch.
+
+    Only modules whose weights changed since their engines were built (or last refitted) are
+    refitted, unless ``force``; each refit starts from the engine's own base weights, so LoRA A,
+    then B, then A again gives A's engine. The base engines stay in the cache; the refitted ones
+    live in this process. ``progress``: True (a bar per engine), False, or a callable taking
+    ``(engine, fraction, message)``. ``validate``: check each refitted engine against torch
+    (as new engines are) and refuse it if it disagrees. Raises :class:`~sd_accel.core.InvalidValue`
+    for INT8 engines (they need a rebuild) and :class:`~sd_accel.core.EngineError` when the graph an
+    engine was built from is gone. Returns, per component, the engines refitted.
+
+    ``auto=True``: from now on a call whose weights changed refits first (``set_adapters``, a new
+    LoRA), and ``cross_attention_kwargs={"scale": s}`` runs on engines refitted at that scale; the
+    last few refits of each module are kept, so switching back costs nothing. ``auto=False``
+    turns that off; ``None`` leaves it as it is.
+
+    >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), AccelConfig(engines=True))  # doctest: +SKIP
+    >>> pipe.load_lora_weights("loras/my_style")                                         # doctest: +SKIP
+    >>> refit_engines(pipe)              # the UNet and text encoder engines now carry the LoRA  # doctest: +SKIP
+    {'unet': ['unet.cpu-...fp32.static.b1.h512.w512.t77...'], 'clip': ['clip.cpu-...']}
+    """
+    from sd_accel.components import specs_for
+    from sd_accel.runtime.modules import EngineModule
+    from sd_accel.runtime.swap import SLOTS, torch_modules
+
+    wrappers = {slot: getattr(pipe, slot, None) for slot in SLOTS}
+    wrappers = {slot: w for slot, w in wrappers.items() if isinstance(w, EngineModule)}
+    if not wrappers:
+        raise EngineError("this pipeline has no engines to refit: accelerate(pipe, AccelConfig(engines=True)) first")
+    todo = {slot: w for slot, w in wrappers.items()
+            if force or w.__dict__["_weights"].changed(full=True) is not None or _closed(w)}
+    for w in todo.values():  # refuse before any work: an int8 engine needs a rebuild
+        for engines in w.engines.values():
+            for handle in engines.handles:
+                if handle.record.key.precision in NEEDS_REBUILD and handle.broken is None:
+                    raise InvalidValue(f"{handle.name}: {handle.record.key.precision} engines cannot be refitted "
+                                       "(weights quantized with calibrated scales); rebuild them from the changed "
+                                       "weights with build_engines(pipe, ...), or delete them to use the others")
+    done: dict[str, list[str]] = {}
+    start = time.perf_counter()
+    with torch_modules(pipe):  # validation runs the torch modules through the specs
+        specs = specs_for(pipe)
+        for wrapper in todo.values():
+            pairs = _refit_module(wrapper, specs, progress, validate)
+            if auto or (auto is None and wrapper.auto_refit):  # kept: switching back costs nothing
+                wrapper.__dict__.setdefault("_refits", {})[_state_key(wrapper.torch_module)] = pairs
+            _install(wrapper, pairs)
+            for handle, _ in pairs:
+                done.setdefault(handle.record.key.component, []).append(handle.name)
+    if auto is not None:
+        hook = _auto_refit(weakref.ref(pipe), progress, validate) if auto else None
+        for wrapper in wrappers.values():
+            wrapper.__dict__["_auto_refit"] = hook
+    if done:
+        log.warning("refitted %d engines to the current weights in %.1f s: %s", sum(map(len, done.values())),
+                    time.perf_counter() - start, ", ".join(sorted(done)))
+    return done
