@@ -137,7 +137,7 @@ def lora_dir(tmp_path_factory):
 def _config(engine_dir=None) -> AccelConfig:
     if engine_dir is None:
         return AccelConfig(precision="fp32", sampler="Euler")
-    return AccelConfig(engines=True, engine_dir=str(engine_dir), precision="fp32", sampler="Euler")
+    return AccelConfig(engines=True, engine_dir=str(engine_dir), backend="onnxruntime", precision="fp32", sampler="Euler")
 
 
 def _generate(pipe, **kwargs):
