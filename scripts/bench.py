@@ -5,6 +5,11 @@
     python scripts/bench.py --tiny           # builtin:tiny-sd15, a smoke run in seconds
     python scripts/bench.py --model path/to/model.safetensors --steps 20 --size 512 --profile
 
+The rows ``optimum-intel-default`` and ``optimum-intel-hybrid-int8`` (what CPU users run today)
+run ``scripts/bench_optimum.py`` with the python of the optimum-intel venv (``.venv-optimum`` at the
+repository root, ``--optimum-python`` or ``SD_ACCEL_OPTIMUM_PYTHON``); without it they are skipped
+with the command that creates it (scripts/BENCHMARKS.md, "optimum-intel").
+
 Prints the table, writes the JSON report, and (unless ``--markdown`` says otherwise)
 regenerates ``scripts/BENCHMARKS.md`` next to this file (not for --tiny or --quick smoke runs).
 Same as ``sd-accel bench``.

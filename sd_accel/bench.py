@@ -8,9 +8,12 @@ Rows (variants), each measured the same way:
   AVX512-BF16/AMX, else fp32; fp16 + xFormers/SDPA on CUDA).
 - ``ort-fp32``, ``openvino-fp32``, ``openvino-bf16``, ``tensorrt-fp16``: engines.
 - ``ort-int8`` (static, calibrated on prompt runs), ``ort-int8-dynamic``: INT8 engines.
+- ``optimum-intel-default``, ``optimum-intel-hybrid-int8``: what CPU users run today, optimum-intel's
+  OVStableDiffusionPipeline (its default, and its hybrid int8 quantization), measured by
+  ``scripts/bench_optimum.py`` with the python of its own venv (its pins clash with sd-accel's).
 
 Per row: CLIP ms, UNet ms per call, VAE-decode ms, it/s, seconds per image, peak RAM (and VRAM
-on CUDA), cold export+build seconds, warm load seconds, and the accuracy against ``diffusers``:
+on CUDA), disk kept, cold export+build seconds, warm load seconds, and the accuracy against ``diffusers``:
 final-latent relative L2 and image PSNR. Each row runs in its own process (so peak RAM is the
 row's own and thread pools of different runtimes never compete), engines are built in a
 separate process first; ``--inprocess`` (the default with ``--tiny``) runs everything here.
@@ -42,7 +45,7 @@ from sd_accel.core import BenchError
 
 PROMPT = "a photograph of an astronaut riding a horse on mars, highly detailed"
 CPU_VARIANTS = ("diffusers", "sd-accel-torch", "ort-fp32", "openvino-fp32", "openvino-bf16", "openvino-int8",
-                "ort-int8", "ort-int8-dynamic")
+                "ort-int8", "ort-int8-dynamic", "optimum-intel-default", "optimum-intel-hybrid-int8")
 CUDA_VARIANTS = ("diffusers", "sd-accel-torch", "tensorrt-fp16")
 ENGINE_COMPONENTS = ("clip", "unet", "vae_decoder")
 # variant -> (backend, precision) for engine rows
@@ -59,6 +62,15 @@ ENGINES = {
 # backend (ONNX Runtime fp32; OpenVINO bf16 where the CPU has it, else fp32).
 INT8_SUPPORT = ("clip", "vae_decoder")
 SHARED_ONNX = "onnx-shared"
+# optimum-intel rows: variant -> scripts/bench_optimum.py --mode. They run in their own venv.
+OPTIMUM = {"optimum-intel-default": "default", "optimum-intel-hybrid-int8": "hybrid-int8"}
+REPO = Path(__file__).resolve().parents[1]
+OPTIMUM_SCRIPT = REPO / "scripts" / "bench_optimum.py"
+OPTIMUM_VENV = REPO / ".venv-optimum"
+OPTIMUM_SETUP = ('python -m venv .venv-optimum && .venv-optimum/bin/pip install "torch==2.13.0" '
+                 '"optimum-intel[openvino,nncf,diffusers]==2.2.0" "diffusers==0.39.0" '
+                 "&& .venv-optimum/bin/pip uninstall -y torchvision")
+TE_PREFIX = "text_model."
 
 
 @dataclass
@@ -76,6 +88,7 @@ class BenchConfig:
     engine_dir: str = ""
     profile: bool = False
     out_dir: str = "."
+    optimum_python: str = ""  # the optimum-intel venv's python (empty: <repo>/.venv-optimum)
 
 
 @dataclass
@@ -96,6 +109,7 @@ class RowResult:
     peak_vram_gb: float | None = None
     build_s: float | None = None
     build_peak_ram_gb: float | None = None
+    disk_gb: float | None = None
     load_s: float | None = None
     latent_rel_l2: float | None = None
     psnr_db: float | None = None
@@ -219,6 +233,57 @@ def _availability(variant: str, device: str) -> str:
     if precision not in be.precisions():
         return f"{backend} does not build {precision} here (it builds {', '.join(be.precisions())})"
     return ""
+
+
+def optimum_python(cfg: BenchConfig) -> Path:
+    """The optimum-intel venv's python: ``cfg.optimum_python``, else ``SD_ACCEL_OPTIMUM_PYTHON``,
+    else ``<repo>/.venv-optimum/bin/python``."""
+    return Path(cfg.optimum_python or os.environ.get("SD_ACCEL_OPTIMUM_PYTHON") or OPTIMUM_VENV / "bin" / "python")
+
+
+def _optimum_availability(cfg: BenchConfig) -> str:
+    """Empty when the optimum-intel rows can run here, else what is missing and how to get it."""
+    if cfg.device != "cpu":
+        return "optimum-intel rows are measured on cpu runs"
+    if not OPTIMUM_SCRIPT.exists():
+        return f"{OPTIMUM_SCRIPT} is missing (it ships in the sd-accel checkout, not the wheel)"
+    python = optimum_python(cfg)
+    setup = f"create it with `cd {REPO} && {OPTIMUM_SETUP}` or point --optimum-python / SD_ACCEL_OPTIMUM_PYTHON at one"
+    if not python.exists():
+        return f"no optimum-intel venv ({python} is missing): {setup}"
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('optimum.intel') is None)"
+    if subprocess.run([str(python), "-c", probe], capture_output=True).returncode != 0:
+        return f"{python} has no optimum-intel: {setup}"
+    return ""
+
+
+def _optimum_model_dir(cfg: BenchConfig) -> str:
+    """A diffusers folder of ``cfg.model`` for optimum-intel: the folder itself, or (a builtin:NAME
+    or single-file checkpoint) a copy saved once under the engine folder."""
+    if (Path(cfg.model) / "model_index.json").exists():
+        return str(Path(cfg.model).resolve())
+    import hashlib
+
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(cfg.model).name)
+    dest = Path(cfg.engine_dir) / "optimum-models" / f"{name}-{hashlib.sha1(cfg.model.encode()).hexdigest()[:8]}"
+    if not (dest / "model_index.json").exists():
+        _save_model(load_model(cfg), dest)
+    return str(dest)
+
+
+def _optimum_cmd(cfg: BenchConfig, variant: str, mode: str, work: Path) -> list[str]:
+    model_dir = _optimum_model_dir(cfg)
+    export_dir = Path(cfg.engine_dir) / variant / Path(model_dir).name  # the export is size-independent
+    return [str(optimum_python(cfg)), str(OPTIMUM_SCRIPT), "--phase", mode, "--result", str(work / f"{variant}.{mode}.json"),
+            "--mode", OPTIMUM[variant], "--model-dir", model_dir, "--export-dir", str(export_dir),
+            "--out-dir", str(work), "--height", str(cfg.height), "--width", str(cfg.width), "--steps", str(cfg.steps),
+            "--repeats", str(cfg.repeats), "--seed", str(cfg.seed), "--prompt", cfg.prompt]
+
+
+def _du_gb(*paths: Path) -> float:
+    """Bytes of the files under ``paths`` (links not followed), in GB."""
+    files = (f for p in paths if p.exists() for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+    return round(sum(f.stat().st_size for f in files) / 2**30, 3)
 
 
 def _engine_jobs(variant: str) -> list[tuple[str, str, list[str]]]:
@@ -380,11 +445,13 @@ def _enter(label: str):
 
 
 def _worker(mode: str, cfg: BenchConfig, variant: str, work: Path, inprocess: bool) -> dict[str, Any]:
-    if inprocess:
+    if inprocess and variant not in OPTIMUM:  # optimum-intel needs its own venv: always a subprocess
         return build_row(cfg, variant) if mode == "build" else run_row(cfg, variant, work)
     result = work / f"{variant}.{mode}.json"
     cmd = [sys.executable, "-m", "sd_accel.bench", "--worker", mode, "--variant", variant, "--work", str(work),
            "--config", json.dumps(asdict(cfg))]
+    if variant in OPTIMUM:
+        cmd = _optimum_cmd(cfg, variant, mode, work)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not result.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
@@ -410,18 +477,23 @@ def run_bench(cfg: BenchConfig, variants: Sequence[str], inprocess: bool = False
     with tempfile.TemporaryDirectory(prefix="sd-accel-bench-") as tmp:
         work = Path(tmp)
         for variant in variants:
-            why = _availability(variant, cfg.device)
+            why = _optimum_availability(cfg) if variant in OPTIMUM else _availability(variant, cfg.device)
             if why:
                 log(f"[bench] {variant}: skipped ({why})")
                 rows.append(RowResult(variant, skipped=why))
                 continue
-            log(f"[bench] {variant}: {'building engines, then ' if variant in ENGINES else ''}running")
+            log(f"[bench] {variant}: {'building engines, then ' if variant in (*ENGINES, *OPTIMUM) else ''}running")
             row = RowResult(variant)
             try:
-                if variant in ENGINES:
+                if variant in ENGINES or variant in OPTIMUM:
                     built = _worker("build", cfg, variant, work, inprocess)
                     row.build_s, row.build_peak_ram_gb = built["build_s"], built["build_peak_ram_gb"]
                     row.engine_rel_l2 = built["engine_rel_l2"]
+                    # the engines and the ONNX export they come from (shared by the engine rows)
+                    row.disk_gb = built.get("disk_gb", _du_gb(Path(cfg.engine_dir) / variant,
+                                                              Path(cfg.engine_dir) / SHARED_ONNX))
+                    if built.get("build_cached"):  # as for engine rows: 0 s when built before
+                        row.build_s, row.notes = 0.0, f"export cached (built in {built['build_s']:.0f} s)"
                 ran = _worker("run", cfg, variant, work, inprocess)
             except Exception as exc:  # a row that fails is reported, the others still run
                 log(f"[bench] {variant}: failed: {exc}")
@@ -435,6 +507,8 @@ def run_bench(cfg: BenchConfig, variants: Sequence[str], inprocess: bool = False
             fallbacks = {k: v["torch_calls"] for k, v in stats.items() if v.get("torch_calls")}
             if fallbacks:
                 row.notes = f"torch fallback calls: {fallbacks}"
+            if ran.get("gen_peak_ram_gb") is not None:  # optimum rows: what generating alone peaks at
+                row.notes = (row.notes + "; " if row.notes else "") + f"{ran['gen_peak_ram_gb']} GB while generating"
             if ran.get("trace"):
                 row.notes = (row.notes + " " if row.notes else "") + f"trace: {ran['trace']}"
             rows.append(row)
@@ -493,7 +567,7 @@ _COLUMNS = (
     ("unet_ms_spread", "UNet min-max", "{:.0f}-{:.0f}"), ("vae_ms", "VAE ms", "{:.0f}"), ("it_s", "it/s", "{:.2f}"),
     ("s_per_image", "s/image", "{:.2f}"), ("s_per_image_20", "s/image@20", "{:.1f}"),
     ("unet_speedup", "UNet x", "{:.2f}"), ("e2e_speedup", "e2e x", "{:.2f}"), ("peak_ram_gb", "RAM GB", "{:.1f}"),
-    ("peak_vram_gb", "VRAM GB", "{:.1f}"), ("build_s", "build s", "{:.0f}"), ("load_s", "load s", "{:.1f}"),
+    ("peak_vram_gb", "VRAM GB", "{:.1f}"), ("disk_gb", "disk GB", "{:.1f}"), ("build_s", "build s", "{:.0f}"), ("load_s", "load s", "{:.1f}"),
     ("latent_rel_l2", "latent relL2", "{:.4f}"), ("psnr_db", "PSNR dB", "{:.1f}"),
 )
 
@@ -549,7 +623,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
                                                           "nncf": m["nncf"]}.items() if v) + ".",
         "",
         "Columns: UNet ms/call is the median of every UNet call in the timed runs (batch 2: guidance); "
-        "s/image@20 rescales the loop to 20 steps; build s is the engines' export+build time from the cache "
+        "s/image@20 rescales the loop to 20 steps; disk GB is what the row keeps on disk (its engines plus "
+        "the ONNX export they come from, shared by the engine rows; optimum-intel's exported IR); build s is the engines' export+build time from the cache "
         "records (0 when they were already cached); load s is the pipeline load plus the engine swap; latent "
         "relL2 is the final latents' relative L2 error and PSNR the decoded image's, both against the first row.",
     ]
@@ -583,8 +658,6 @@ def _json_default(value: Any) -> Any:
 
 def default_model() -> str:
     """The SD 1.5 architecture with random weights (its real configs), built once into the cache."""
-    import shutil
-
     from filelock import FileLock
 
     from sd_accel.paths import cache_dir
@@ -595,11 +668,45 @@ def default_model() -> str:
             from sd_accel.models.components import random_pipeline
             from sd_accel.models.families import FAMILIES, load_family_configs
 
-            tmp = dest.with_name(dest.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            random_pipeline(load_family_configs(FAMILIES["sd15"]), seed=0).save_pretrained(tmp, safe_serialization=True)
-            tmp.rename(dest)
+            _save_model(random_pipeline(load_family_configs(FAMILIES["sd15"]), seed=0), dest)
+        else:
+            prefix_text_encoder(dest / "text_encoder")  # folders saved before the prefix was added
     return str(dest)
+
+
+def _save_model(pipe, dest: Path) -> None:
+    """``save_pretrained`` (safetensors) into ``dest`` through a temporary folder, with the text
+    encoder in the layout every transformers reads (see ``prefix_text_encoder``)."""
+    import shutil
+
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    prefix_text_encoder(tmp / "text_encoder")
+    tmp.rename(dest)
+
+
+def prefix_text_encoder(folder: Path) -> bool:
+    """Give a saved CLIPTextModel's keys the ``text_model.`` prefix; True when it rewrote the file.
+
+    transformers >= 5.6 saves CLIPTextModel without the prefix and reads both layouts; older
+    versions (optimum-intel 2.2 pins < 5.6) read only the prefixed one, which hub SD 1.5
+    checkpoints have, and without it leave every weight at random init, silently."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if len(files) != 1:  # sharded or absent: leave it as saved
+        return False
+    with safe_open(str(files[0]), "pt") as f:
+        keys = list(f.keys())
+        if not keys or all(k.startswith(TE_PREFIX) for k in keys):
+            return False
+        tensors = {k if k.startswith(TE_PREFIX) else TE_PREFIX + k: f.get_tensor(k) for k in keys}
+    tmp = files[0].with_name(files[0].name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(files[0])  # readers that have the old file open keep it
+    return True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -618,7 +725,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for the JSON report and traces (default: <cache>/bench/results)")
     p.add_argument("--markdown", default=None, help="also write the Markdown report here")
     p.add_argument("--profile", action="store_true", help="write a PyTorch profiler chrome trace per row")
-    p.add_argument("--inprocess", action="store_true", help="run every row in this process (default with --tiny)")
+    p.add_argument("--inprocess", action="store_true", help="run every row in this process (default with --tiny; "
+                   "never the optimum-intel rows)")
+    p.add_argument("--optimum-python", default=None, help="python of the optimum-intel venv for the optimum-intel-* "
+                   "rows (default: $SD_ACCEL_OPTIMUM_PYTHON, else <repo>/.venv-optimum/bin/python)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default=PROMPT)
 
@@ -638,11 +748,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str], 
     engine_dir = args.engine_dir or str(bench_dir / ("engines-tiny" if args.tiny else "engines"))
     cfg = BenchConfig(model=model, device=device, height=size, width=size, steps=steps, repeats=repeats,
                       seed=args.seed, prompt=args.prompt, engine_dir=engine_dir, profile=args.profile,
-                      out_dir=args.out or str(bench_dir / "results"))
+                      out_dir=args.out or str(bench_dir / "results"), optimum_python=args.optimum_python or "")
     variants = args.variants.split(",") if args.variants else list(CUDA_VARIANTS if cuda else CPU_VARIANTS)
-    unknown = [v for v in variants if v not in ("diffusers", "sd-accel-torch", *ENGINES)]
+    unknown = [v for v in variants if v not in ("diffusers", "sd-accel-torch", *ENGINES, *OPTIMUM)]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: diffusers, sd-accel-torch, {', '.join(ENGINES)}")
+        raise SystemExit(f"unknown variants {unknown}; known: diffusers, sd-accel-torch, "
+                         f"{', '.join([*ENGINES, *OPTIMUM])}")
     return cfg, variants, args.inprocess or args.tiny
 
 

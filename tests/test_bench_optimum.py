@@ -1,0 +1,83 @@
+"""The optimum-intel rows of the benchmark, without optimum-intel: they are in the row list, a
+missing venv skips them with the command that creates it, the worker calls the in-repo script
+with the venv's python, and the bench model's text encoder is saved in the layout older
+transformers read. Nothing here imports optimum (it lives in its own venv)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sd_accel import bench
+from sd_accel.bench import CPU_VARIANTS, OPTIMUM, OPTIMUM_SETUP, BenchConfig, prefix_text_encoder, run_bench
+
+ROWS = ("optimum-intel-default", "optimum-intel-hybrid-int8")
+
+
+def test_the_default_cpu_rows_include_optimum_intel():
+    assert set(ROWS) <= set(CPU_VARIANTS) and set(OPTIMUM) == set(ROWS)
+    assert bench.OPTIMUM_SCRIPT.exists()  # scripts/bench_optimum.py, run by the worker
+
+
+def test_a_missing_venv_skips_the_rows_and_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.delenv("SD_ACCEL_OPTIMUM_PYTHON", raising=False)
+    cfg = BenchConfig(model="builtin:tiny-sd15", device="cpu", height=64, width=64, steps=2, repeats=1,
+                      engine_dir=str(tmp_path / "engines"), out_dir=str(tmp_path),
+                      optimum_python=str(tmp_path / "nowhere" / "bin" / "python"))
+    lines: list[str] = []
+    report = run_bench(cfg, list(ROWS), log=lines.append)
+    rows = {r["variant"]: r for r in report["rows"]}
+    for name in ROWS:
+        why = rows[name]["skipped"]
+        assert "nowhere/bin/python is missing" in why and OPTIMUM_SETUP in why, why
+        assert any(line.startswith(f"[bench] {name}: skipped") and OPTIMUM_SETUP in line for line in lines)
+    assert "torch==2.13.0" in OPTIMUM_SETUP and "uninstall -y torchvision" in OPTIMUM_SETUP
+    assert "optimum" not in {m.split(".")[0] for m in sys.modules}  # nothing imported it here
+
+
+def test_a_python_without_optimum_is_refused_too(tmp_path):
+    """The main venv's python exists but has no optimum-intel: the skip line says so."""
+    cfg = BenchConfig(model="m", device="cpu", height=64, width=64, optimum_python=sys.executable)
+    why = bench._optimum_availability(cfg)
+    assert "has no optimum-intel" in why and OPTIMUM_SETUP in why
+    assert "cpu runs" in bench._optimum_availability(BenchConfig(model="m", device="cuda", height=64, width=64))
+
+
+def test_the_worker_runs_the_script_with_the_venvs_python(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    cfg = BenchConfig(model=str(model), device="cpu", height=96, width=64, steps=4, repeats=2, seed=7,
+                      prompt="a cat", engine_dir=str(tmp_path / "e"), optimum_python="/opt/venv/bin/python")
+    cmd = bench._optimum_cmd(cfg, "optimum-intel-hybrid-int8", "run", tmp_path / "work")
+    assert cmd[:2] == ["/opt/venv/bin/python", str(bench.OPTIMUM_SCRIPT)]
+    args = dict(zip(cmd[2::2], cmd[3::2], strict=True))
+    assert args["--phase"] == "run" and args["--mode"] == "hybrid-int8"
+    assert args["--result"] == str(tmp_path / "work" / "optimum-intel-hybrid-int8.run.json")
+    assert args["--model-dir"] == str(model.resolve())
+    assert (args["--height"], args["--width"], args["--steps"], args["--repeats"], args["--seed"],
+            args["--prompt"]) == ("96", "64", "4", "2", "7", "a cat")
+    assert Path(args["--export-dir"]).is_relative_to(tmp_path / "e" / "optimum-intel-hybrid-int8")
+
+
+def test_unknown_variants_list_the_optimum_rows():
+    with pytest.raises(SystemExit, match="optimum-intel-default"):
+        bench.main(["--tiny", "--variants", "nope"])
+
+
+def test_the_text_encoder_is_saved_with_the_prefix_older_transformers_need(tmp_path):
+    te = tmp_path / "text_encoder"
+    te.mkdir()
+    weights = {"embeddings.token_embedding.weight": torch.randn(4, 2), "final_layer_norm.bias": torch.zeros(2)}
+    save_file(weights, str(te / "model.safetensors"))
+    assert prefix_text_encoder(te) is True
+    with safe_open(str(te / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == {"text_model." + k for k in weights}
+        assert torch.equal(f.get_tensor("text_model.embeddings.token_embedding.weight"),
+                           weights["embeddings.token_embedding.weight"])
+    assert prefix_text_encoder(te) is False  # already prefixed: left alone
