@@ -282,41 +282,67 @@ def _pip(run_pip: Callable, args: list[str], desc: str, constraints_file: Path, 
 
 
 def imports(module: str) -> str | None:
-    """None when ``module`` imports here, else why not."""
-    importlib.invalidate_caches()
-    try:
-        __import__(module)
+    """None when ``module`` imports in a fresh interpreter of this Python, else why not (the last
+    line of its error). A fresh process, not this one: a failed import leaves half-initialised
+    modules (and loaded C extensions) behind here, and the next candidate release was judged on
+    them ("partially initialized module 'onnx' has no attribute 'defs'" for an onnx 1.17 that
+    imports fine)."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+    if result.returncode == 0:
         return None
-    except Exception as exc:  # any import-time failure: a missing dependency, an ABI clash
-        return f"{type(exc).__name__}: {exc}"
+    lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {result.returncode}"
 
 
 IMPORT_NAME = {"onnxruntime": "onnxruntime", "openvino": "openvino", "onnx": "onnx", "filelock": "filelock",
                "platformdirs": "platformdirs", "tqdm": "tqdm", "polygraphy": "polygraphy"}
 
 
+# Tried (without dependencies) when the newest release does not import beside the WebUI's pins.
+# Forge pins protobuf 3.20.0: onnx 1.23 imports google.protobuf.runtime_version (protobuf >= 5) and
+# fails there; onnx 1.17.0 imports, exports and converts with it (checked on a real Forge 2025);
+# releases in between are not checked, hence the cap at 1.17.
+NO_DEPS_FALLBACK = {"onnx": ("onnx>=1.16,!=1.16.2,<1.18",)}
+
+
 def install_pinned(launch, requirement: str, desc: str, pins: Path) -> bool:
     """Install ``requirement`` under the pins; when pip cannot (a dependency would have to move),
-    once more without dependencies, kept only if it then imports. True when it is installed."""
+    once more without dependencies, then older known-good releases (:data:`NO_DEPS_FALLBACK`),
+    each kept only if it then imports. True when it is installed."""
     if _pip(launch.run_pip, [requirement], desc, pins, quiet=True):
         return True
     name = requirement_name(requirement)
     say(f"{requirement} cannot be installed without moving a package the WebUI pins; trying it without "
         "its dependencies (the pinned versions stay)")
-    if not _pip(launch.run_pip, ["--no-deps", requirement], f"{desc} (without dependencies)", pins):
-        return False
-    why = imports(IMPORT_NAME.get(_norm(name), name.replace("-", "_")))
-    if why is None:
-        say(f"{name} {installed_version(name)} installed without its dependencies; it imports with the "
-            "WebUI's pinned packages")
-        return True
+    why = "pip could not install it"
+    for candidate in (requirement, *NO_DEPS_FALLBACK.get(_norm(name), ())):
+        if not _pip(launch.run_pip, ["--no-deps", candidate], f"{candidate} for sd-accel (without dependencies)", pins):
+            continue
+        why = imports(IMPORT_NAME.get(_norm(name), name.replace("-", "_")))
+        if why is None:
+            say(f"{name} {installed_version(name)} installed without its dependencies; it imports with the "
+                "WebUI's pinned packages")
+            return True
+        say(f"{name} {installed_version(name)} does not import with the WebUI's pinned packages ({why})")
     say(f"{name} does not work with the WebUI's pinned packages ({why}); removing it again. sd-accel runs without "
         "it; the sd-accel tab says what that leaves")
+    uninstall(launch, name)
+    return False
+
+
+def uninstall(launch, name: str) -> None:
+    """``pip uninstall -y name`` with the WebUI's Python. Not through ``launch.run_pip``: it appends
+    ``--prefer-binary`` (and ``--index-url``), which ``pip uninstall`` rejects, so the broken package
+    stayed."""
+    if not installed_version(name):
+        return
     try:
-        launch.run_pip(f"uninstall -y {_quote(name)}", f"removing {name}")
+        launch.run(f'"{getattr(launch, "python", sys.executable)}" -m pip uninstall -y {_quote(name)}',
+                   f"Removing {name}", f"Couldn't remove {name}")
     except Exception as exc:  # nothing more to do: the message above stands
         say(f"could not remove {name}: {exc}")
-    return False
 
 
 def main(extension_dir: Path = EXTENSION_DIR, launch_module=None, stamp: Path | None = None) -> int:

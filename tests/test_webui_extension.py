@@ -175,16 +175,36 @@ def test_install_keeps_the_webuis_exact_pins_and_adds_openvino_on_cpu(tmp_path, 
             raise RuntimeError("ERROR: ResolutionImpossible: protobuf==3.20.0 (from constraints)")
         return ""
 
-    launch = type("Launch", (), {"run_pip": staticmethod(run_pip)})
+    ran = []
+
+    def run(command, desc=None, errdesc=None, live=False):
+        ran.append(command)
+        return ""
+
+    launch = type("Launch", (), {"run_pip": staticmethod(run_pip), "run": staticmethod(run), "python": "/py"})
     constraints_file = tmp_path / "c.txt"
     constraints_file.write_text("protobuf==3.20.0\n")
     assert install.install_pinned(launch, "onnx>=1.16", "onnx for sd-accel", constraints_file) is True
     assert [c.split(" -c ")[0] for c in commands] == ['install "onnx>=1.16"', 'install --no-deps "onnx>=1.16"']
     assert all(" -c " in c for c in commands)
-    # One that then does not import is removed again, and the console says so.
+    # The newest onnx does not import beside protobuf 3.20.0 (a real Forge: onnx 1.23 wants
+    # google.protobuf.runtime_version): the known-good older release is tried next, still without deps.
     commands.clear()
+    answers = iter(["ImportError: cannot import name 'runtime_version' from 'google.protobuf'", None])
+    real_imports = install.imports
+    monkeypatch.setattr(install, "imports", lambda module: next(answers))
+    assert install.install_pinned(launch, "onnx>=1.16", "onnx for sd-accel", constraints_file) is True
+    assert [c.split(" -c ")[0] for c in commands][-1] == 'install --no-deps "onnx>=1.16,!=1.16.2,<1.18"'
+    monkeypatch.setattr(install, "imports", real_imports)
+    # One that then does not import is removed again with `pip uninstall` itself: the WebUI's
+    # run_pip appends --prefer-binary, which `pip uninstall` rejects.
+    commands.clear()
+    real_version = install.installed_version
+    monkeypatch.setattr(install, "installed_version",
+                        lambda dist: "1.0" if dist == "no-such-module-xyz" else real_version(dist))
     assert install.install_pinned(launch, "no-such-module-xyz>=1", "x", constraints_file) is False
-    assert commands[-1] == 'uninstall -y "no-such-module-xyz"'
+    assert not any(c.startswith("uninstall") for c in commands)
+    assert ran == ['"/py" -m pip uninstall -y "no-such-module-xyz"']
     out = capsys.readouterr().out
     assert "does not work with the WebUI's pinned packages" in out and "removing it again" in out
 

@@ -30,6 +30,14 @@ class LdmClipSpec(ClipSpec):
     def __init__(self, transformer: torch.nn.Module) -> None:
         super().__init__(SimpleNamespace(text_encoder=transformer))
 
+    @property
+    def projected(self) -> bool:
+        """Never: a ``CLIPTextModel`` gives ``pooler_output``. Forge 2 hangs a ``text_projection``
+        Linear on it (``IntegratedCLIP(..., add_text_projection=True)``, for its own pooled
+        output), which :class:`ClipSpec`'s test took for a projection head: the export then asked
+        for ``text_embeds`` and failed on a real Forge 2."""
+        return False
+
 
 def is_clip_text_model(module) -> bool:
     """A transformers ``CLIPTextModel`` (not one with a projection head, not an OpenCLIP model)."""

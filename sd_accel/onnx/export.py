@@ -72,7 +72,8 @@ def fp32_on(module: torch.nn.Module, device: str = "cpu") -> Iterator[None]:
     )
     training = module.training
     if moved:
-        module.to(target, torch.float32)
+        for t in tensors.values():
+            move_tensor(t, target, torch.float32 if t.is_floating_point() else t.dtype)
     module.eval()
     try:
         yield
@@ -81,8 +82,27 @@ def fp32_on(module: torch.nn.Module, device: str = "cpu") -> Iterator[None]:
             for name, t in _named_tensors(module).items():
                 dtype, device = before[name]
                 if t.dtype != dtype or t.device != device:
-                    t.data = t.data.to(device=device, dtype=dtype)
+                    move_tensor(t, device, dtype)
         module.train(training)
+
+
+def move_tensor(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> None:
+    """``t.data = t.data.to(device, dtype)`` (what ``module.to()`` does), keeping an inference
+    tensor one.
+
+    Forge loads its weights under ``torch.inference_mode``. Given new ``.data`` outside inference
+    mode, such a tensor stops counting as an inference tensor but still has no version counter,
+    so every later ``t._version`` raises "Inference tensors do not track version counter": the
+    ONNX tracer's (the export fails) and the fingerprint's (every later build of that module
+    fails), for the rest of the WebUI session. Converted inside inference mode it stays a proper
+    inference tensor, which traces and runs as before."""
+    if t.device == torch.device(device) and t.dtype == dtype:
+        return
+    if t.is_inference():
+        with torch.inference_mode():
+            t.data = t.data.to(device=device, dtype=dtype)
+    else:
+        t.data = t.data.to(device=device, dtype=dtype)
 
 
 def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

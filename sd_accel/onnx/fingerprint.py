@@ -45,7 +45,9 @@ def fingerprint(module: torch.nn.Module, each: Callable[[torch.Tensor], Any] | N
     digest.update(type(module).__name__.encode())
     digest.update(_config_blob(module))
     for name, tensor in tensors.items():
-        _update(digest, name, tensor.detach())
+        # .data, not .detach(): a view that shares no version counter (a tensor left without one,
+        # see _version, raises on any view that shares it)
+        _update(digest, name, tensor.data)
         if each is not None:
             each(tensor)
     value = digest.hexdigest()
@@ -86,7 +88,12 @@ def _version(t: torch.Tensor) -> int:
     """The autograd version counter; -1 for inference tensors (made under ``torch.inference_mode``,
     as Forge loads its weights), which have none: their in-place edits are not seen (see
     :func:`clear_fingerprint`), new tensors are (another storage address)."""
-    return -1 if t.is_inference() else t._version
+    if t.is_inference():
+        return -1
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor given ``.data`` outside inference mode: no counter either
+        return -1
 
 
 def _config_blob(module: torch.nn.Module) -> bytes:

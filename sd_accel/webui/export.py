@@ -232,6 +232,8 @@ def no_checkpointing(module: torch.nn.Module) -> Iterator[None]:
 def preserve_layout(module: torch.nn.Module) -> Iterator[None]:
     """Every parameter and buffer back on its own device and dtype after the block (the
     validation moves the whole module; lowvram spreads it over devices)."""
+    from sd_accel.onnx.export import move_tensor  # here: importing onnx must not be needed to build the tab
+
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     before = {name: (t.device, t.dtype) for name, t in tensors.items()}
     try:
@@ -240,7 +242,7 @@ def preserve_layout(module: torch.nn.Module) -> Iterator[None]:
         for name, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items():
             device, dtype = before.get(name, (t.device, t.dtype))
             if t.device != device or t.dtype != dtype:
-                t.data = t.data.to(device=device, dtype=dtype)
+                move_tensor(t, device, dtype)
 
 
 @contextlib.contextmanager
