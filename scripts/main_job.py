@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 
-# Once `sd-accel generate --engines auto` builds what a call needs, this becomes True: the build
-# step goes, and the accelerated run builds (first run) or reuses (later runs) by itself.
+# True: no build step; `sd-accel generate --engines auto` builds what the run's calls need on the
+# first run and reuses it after. False (the default) keeps the build a step of its own, so its
+# time and progress are reported apart from the generation's.
 AUTO_ENGINES = False
 
 BUILTIN_SIZE = "256x256"  # the built-in tiny model: see README ("Quick start") for the figures
