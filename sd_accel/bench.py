@@ -189,6 +189,14 @@ def _generate(pipe, cfg: BenchConfig, steps: int):
 
 
 def _peak_ram_gb() -> float:
+    """This process's peak resident memory. VmHWM where Linux has it: ``ru_maxrss`` survives
+    ``exec``, so a worker started by a big parent would report the parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 2**20, 2)
+    except OSError:
+        pass
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(kb / 2**20, 2)
 

@@ -47,7 +47,10 @@ _BUILD = textwrap.dedent(
     records = [{"component": r.key.component, "backend": r.key.backend, "precision": r.key.precision,
                 "profile": r.key.profile, "status": r.status, "validation": r.validation,
                 "size_bytes": r.size_bytes} for r in EngineCache(args["engine_dir"]).list()]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child of a pytest that grew
+    # (an in-process SD 1.5 export earlier in the suite) would report pytest's peak
+    hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")]
+    peak = int(hwm[0].split()[1]) * 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("RESULT " + json.dumps({"peak_bytes": peak, "records": records}))
     """
 )

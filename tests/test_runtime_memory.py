@@ -142,7 +142,7 @@ def _generate(pipe, size=64):
 def test_swap_parks_engine_served_modules_and_the_fallback_loads_them_once(unet_engines, caplog):
     pipe = load_pipeline("builtin:tiny-sd15")
     original = copy.deepcopy(pipe.unet.state_dict())
-    pipe = accelerate(pipe, AccelConfig(engines=True, engine_dir=str(unet_engines), precision="fp32",
+    pipe = accelerate(pipe, AccelConfig(engines=True, engine_dir=str(unet_engines), backend="onnxruntime", precision="fp32",
                                         sampler="Euler"))
     assert isinstance(pipe.unet, EngineUNet)
     spill = weights.parked(pipe.unet.torch_module)
@@ -169,7 +169,7 @@ def test_swap_parks_engine_served_modules_and_the_fallback_loads_them_once(unet_
 
 @pytest.mark.slow
 def test_parked_pipeline_images_equal_unparked_ones(unet_engines):
-    config = AccelConfig(engines=True, engine_dir=str(unet_engines), precision="fp32", sampler="Euler")
+    config = AccelConfig(engines=True, engine_dir=str(unet_engines), backend="onnxruntime", precision="fp32", sampler="Euler")
     parked = load_pipeline("builtin:tiny-sd15")
     parked.unet.to(torch.float64).to(torch.float32)  # same values in anonymous memory (as after a conversion)
     parked = accelerate(parked, config)
