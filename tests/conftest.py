@@ -43,3 +43,24 @@ def tiny_sdxl():
     from sd_accel.models.builtin import build_tiny_pipeline
 
     return build_tiny_pipeline("sdxl")
+
+
+@pytest.fixture(scope="session")
+def real_size_build(tmp_path_factory):
+    """``real_size_build(model, preset, backend, precision="auto")`` -> ``(engine_dir, result)``: engines of every
+    component built in a fresh process (``result``: its peak RSS and the cache's records), once per
+    session for each arguments (tests/test_real_sizes.py and tests/test_engines_real_sizes.py need
+    the same static 512 px / 1024 px ones)."""
+    from support.real_sizes import build_in_subprocess
+
+    built: dict[tuple[str, str, str, str], tuple[Path, dict]] = {}
+
+    def build(model: str, preset: str, backend: str, precision: str = "auto") -> tuple[Path, dict]:
+        key = (model, preset, backend, precision)
+        if key not in built:
+            folder = tmp_path_factory.mktemp(f"real-size-{preset}-{backend}")
+            result = build_in_subprocess(folder, model=model, preset=preset, backend=backend, precision=precision)
+            built[key] = (folder / "engines", result)
+        return built[key]
+
+    return build

@@ -11,61 +11,18 @@ x86 machine (figures in each test); never timings.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from support.real_sizes import build_in_subprocess
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 # The fp32 weights of one engine's ONNX export, times this, plus the graph: the engine's size bound.
 SIZE_FACTOR = {"fp32": 1.1, "bf16": 0.6, "fp16": 0.6, "int8": 0.6, "int8-dynamic": 0.6}
 GRAPH_SLACK = 2 * 2**20
-
-_BUILD = textwrap.dedent(
-    """
-    import json, resource, sys
-    args = json.loads(sys.argv[1])
-    if args.get("cli"):
-        import contextlib, io
-        from sd_accel.cli import main
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            rc = main(args["cli"])
-        assert rc == 0, out.getvalue()
-    else:
-        from sd_accel import build_engines, load_pipeline
-        pipe = load_pipeline(args["model"])
-        build_engines(pipe, args["preset"], backend=args["backend"], engine_dir=args["engine_dir"], progress=False)
-    from sd_accel import EngineCache
-    records = [{"component": r.key.component, "backend": r.key.backend, "precision": r.key.precision,
-                "profile": r.key.profile, "status": r.status, "validation": r.validation,
-                "size_bytes": r.size_bytes} for r in EngineCache(args["engine_dir"]).list()]
-    # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child of a pytest that grew
-    # (an in-process SD 1.5 export earlier in the suite) would report pytest's peak
-    hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")]
-    peak = int(hwm[0].split()[1]) * 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print("RESULT " + json.dumps({"peak_bytes": peak, "records": records}))
-    """
-)
-
-
-def build_in_subprocess(tmp_path: Path, **args) -> dict:
-    """Run one build in a fresh Python; its peak RSS and the cache's records."""
-    args.setdefault("engine_dir", str(tmp_path / "engines"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", _BUILD, json.dumps(args)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
-
 
 def export_weight_bytes(engine_dir: Path, component: str) -> int:
     """fp32 weight bytes of a component's ONNX export in the cache (initializers, external included)."""
@@ -105,11 +62,10 @@ def test_cli_build_with_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
-def test_static_512(tmp_path, backend):
+def test_static_512(real_size_build, backend):
     if backend == "openvino":
         pytest.importorskip("openvino")
-    engine_dir = tmp_path / "engines"
-    result = build_in_subprocess(tmp_path, model="builtin:tiny-sd15", preset="static-512", backend=backend)
+    engine_dir, result = real_size_build("builtin:tiny-sd15", "static-512", backend)
     assert {r["backend"] for r in result["records"]} == {backend}
     check(result, engine_dir, SD15, peak_gib=3.0, points=["opt"])
 
@@ -122,7 +78,6 @@ def test_dynamic_512_768_validates_its_max_shape(tmp_path):
     check(result, engine_dir, SD15, peak_gib=4.0, points=["opt", "max"])
 
 
-def test_sdxl_static_1024(tmp_path):
-    engine_dir = tmp_path / "engines"
-    result = build_in_subprocess(tmp_path, model="builtin:tiny-sdxl", preset="static-1024", backend="onnxruntime")
+def test_sdxl_static_1024(real_size_build):
+    engine_dir, result = real_size_build("builtin:tiny-sdxl", "static-1024", "onnxruntime")
     check(result, engine_dir, SDXL, peak_gib=4.0, points=["opt"])
