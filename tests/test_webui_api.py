@@ -8,15 +8,13 @@ extension's routes to the same rules: no routes without the API, the same 401s w
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
-
-import pytest
 
 STUB = Path(__file__).resolve().parent / "webui_stub"
 sys.path.insert(0, str(STUB))
 import harness  # noqa: E402
+from harness import webui_lean  # noqa: E402, F401  (autouse: see its docstring)
 
 from sd_accel.profiles import Profile  # noqa: E402
 
@@ -24,15 +22,6 @@ STATIC = Profile(batch=1, height=64, width=64)
 BAD_PROFILE = {"profile": {"batch": 1, "height": 13, "width": 13}}
 
 
-@pytest.fixture(autouse=True)
-def _lean(monkeypatch, caplog):
-    monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")
-    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
-    logger = logging.getLogger("sd_accel")
-    logger.addHandler(caplog.handler)
-    yield
-    logger.removeHandler(caplog.handler)
-    harness.purge()
 
 
 def test_routes_carry_the_webuis_api_auth(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ import torch
 STUB = Path(__file__).resolve().parent / "webui_stub"
 sys.path.insert(0, str(STUB))
 import harness  # noqa: E402  (the stand-in WebUI's driver, from the folder above)
+from harness import webui_lean  # noqa: E402, F401  (autouse: see its docstring)
 
 from sd_accel.profiles import Profile  # noqa: E402
 
@@ -27,17 +28,6 @@ LONG_PROMPT = " ".join(["word"] * 100)  # 100 tokens: 154 context columns
 FALLBACK = "running torch for this call"
 
 
-@pytest.fixture(autouse=True)
-def _lean(monkeypatch, caplog):
-    monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")  # the machine's two cores are shared
-    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
-    # In the WebUI the sd_accel logger has its own console handler and does not propagate
-    # (sd_accel.webui.console): caplog listens on it directly.
-    logger = logging.getLogger("sd_accel")
-    logger.addHandler(caplog.handler)
-    yield
-    logger.removeHandler(caplog.handler)
-    harness.purge()
 
 
 EXACT = {"sd_accel_backend": "onnxruntime"}

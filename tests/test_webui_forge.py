@@ -17,6 +17,7 @@ import torch
 STUB = Path(__file__).resolve().parent / "webui_stub"
 sys.path.insert(0, str(STUB))
 import harness  # noqa: E402
+from harness import webui_lean  # noqa: E402, F401  (autouse: see its docstring)
 
 from sd_accel.profiles import Profile  # noqa: E402
 
@@ -24,15 +25,6 @@ DYNAMIC = Profile(batch=(1, 1, 2), height=(64, 64, 96), width=(64, 64, 96), toke
 LONG_PROMPT = " ".join(["word"] * 100)
 
 
-@pytest.fixture(autouse=True)
-def _lean(monkeypatch, caplog):
-    monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")
-    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
-    logger = logging.getLogger("sd_accel")  # its WebUI console handler does not propagate
-    logger.addHandler(caplog.handler)
-    yield
-    logger.removeHandler(caplog.handler)
-    harness.purge()
 
 
 def _job_counts(component: str = "ldm_unet"):

@@ -18,6 +18,7 @@ STUB = Path(__file__).resolve().parent / "webui_stub"
 sys.path.insert(0, str(STUB))
 import gradio_events  # noqa: E402
 import harness  # noqa: E402
+from harness import webui_lean  # noqa: E402, F401  (autouse: see its docstring)
 
 from sd_accel.profiles import Profile  # noqa: E402
 
@@ -25,15 +26,6 @@ STATIC = Profile(batch=1, height=64, width=64)
 STATUS = "sd-accel-status"
 
 
-@pytest.fixture(autouse=True)
-def _lean(monkeypatch, caplog):
-    monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")
-    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
-    logger = logging.getLogger("sd_accel")
-    logger.addHandler(caplog.handler)
-    yield
-    logger.removeHandler(caplog.handler)
-    harness.purge()
 
 
 def _page_load(webui) -> dict:

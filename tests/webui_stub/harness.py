@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 STUB = Path(__file__).resolve().parent
 FORGE = STUB / "forge"
@@ -114,3 +117,18 @@ def start(tmp: Path, forge: bool = False, argv: tuple[str, ...] = ("--api",), fa
     script_callbacks.app_started_callback(demo, app)
     return WebUI(shared, sd_unet, sd_models, scripts, importlib.import_module("modules.processing"),
                  script_callbacks, demo, app, info, forge)
+
+
+@pytest.fixture(autouse=True)
+def webui_lean(monkeypatch, caplog):
+    """Every WebUI test (imported into each test module, where it is autouse): one ORT thread (the
+    machine's two cores are shared), no Gradio analytics, caplog listening on the sd_accel logger
+    (in the WebUI it has its own console handler and does not propagate: sd_accel.webui.console),
+    and the WebUI's modules purged afterwards."""
+    monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    logger = logging.getLogger("sd_accel")
+    logger.addHandler(caplog.handler)
+    yield
+    logger.removeHandler(caplog.handler)
+    purge()
