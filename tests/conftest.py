@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,6 +12,8 @@ import pytest
 
 # Keep every test run away from the user's real caches and engines, and off the model hub.
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="sd-accel-tests-"))
+# Each run's default cache and engines (~130 MB) would otherwise pile up in /tmp run after run.
+atexit.register(shutil.rmtree, _SESSION_TMP, ignore_errors=True)
 os.environ.setdefault("SD_ACCEL_CACHE_DIR", str(_SESSION_TMP / "cache"))
 os.environ.setdefault("SD_ACCEL_ENGINE_DIR", str(_SESSION_TMP / "engines"))
 os.environ["HF_HUB_OFFLINE"] = "1"

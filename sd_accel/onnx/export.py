@@ -13,6 +13,7 @@ spec version) under ``<cache_root>/onnx/`` and export only when that folder is m
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from sd_accel.core import SPEC_VERSION, EngineError, Progress
 from sd_accel.onnx.attention import export_attention
 from sd_accel.onnx.fingerprint import fingerprint
 from sd_accel.onnx.optimize import DATA_SUFFIX, check_model, optimize_file
+from sd_accel.units import format_size
 
 log = logging.getLogger("sd_accel")
 
@@ -154,6 +156,8 @@ def export_onnx(
     progress = progress or _quiet
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    need = export_need_bytes(spec)
+    _check_space(spec.name, out_dir.parent, need)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     start = time.perf_counter()
     try:
@@ -173,12 +177,56 @@ def export_onnx(
         info = _meta(spec, tmp, opset, external, traced_s, time.perf_counter() - start)
         (tmp / META_FILE).write_text(json.dumps({**info, **(meta or {})}, indent=2))
         _replace_dir(tmp, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _looks_disk_full(exc, out_dir.parent, need):
+            raise _disk_full_error(spec.name, out_dir.parent, need) from exc
         raise
     progress(1.0, f"{spec.name}: ONNX ready ({time.perf_counter() - start:.1f} s)")
     log.info("exported %s to %s in %.1f s", spec.name, out_dir, time.perf_counter() - start)
     return out_dir / MODEL_FILE
+
+
+def export_need_bytes(spec: ComponentSpec) -> int:
+    """Disk an export of ``spec`` takes at its peak: the fp32 trace and its optimized copy side by
+    side (the trace is removed once the copy is checked), plus a little for the graphs."""
+    weights = sum(t.numel() * 4 for t in _named_tensors(spec.torch_module()).values() if t.is_floating_point())
+    return 2 * weights + 64 * 2**20
+
+
+def _check_space(name: str, folder: Path, need: int) -> None:
+    if shutil.disk_usage(folder).free < need:
+        raise _disk_full_error(name, folder, need)
+
+
+def _disk_full_error(name: str, folder: Path, need: int) -> EngineError:
+    try:
+        free = format_size(shutil.disk_usage(folder).free)
+    except OSError:
+        free = "unknown"
+    return EngineError(
+        f"Not enough disk space to export {name} to ONNX: it needs about {format_size(need)} "
+        f"(the fp32 trace and its optimized copy), {free} free under {folder}. Nothing was kept. "
+        "Free some space (`sd-accel prune`), or give the build a folder on a bigger disk "
+        "(SD_ACCEL_ENGINE_DIR: engines and the exports beside them), then build again."
+    )
+
+
+def _looks_disk_full(exc: BaseException, folder: Path, need: int) -> bool:
+    """ENOSPC anywhere in the chain, or an opaque write failure of the torch exporter ("Could not
+    open file or directory", it drops the errno) while the disk has less free than the export
+    needs (measured after the partial files were removed)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, (RuntimeError, OSError)) and not isinstance(exc, EngineError):
+        try:
+            return shutil.disk_usage(folder).free < need
+        except OSError:
+            return False
+    return False
 
 
 def _meta(spec: ComponentSpec, folder: Path, opset: int, external: bool, traced_s: float, total_s: float) -> dict:
@@ -298,6 +346,7 @@ __all__ = [
     "OnnxArtifact",
     "artifact_dir",
     "ensure_onnx_artifact",
+    "export_need_bytes",
     "export_onnx",
     "fp32_on",
     "onnx_artifact",
