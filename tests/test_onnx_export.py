@@ -7,10 +7,10 @@ component and 1.3e-6 for the SD 1.5 UNet; ONNX Runtime reorders float32 sums, so
 
 from __future__ import annotations
 
+import errno
 import gc
 import importlib
 import json
-import errno
 import re
 import shutil
 import threading
@@ -35,9 +35,9 @@ from sd_accel.onnx import (
     fingerprint,
     onnx_artifact,
 )
+from sd_accel.onnx import export as export_mod
 from sd_accel.onnx import optimize as optimize_mod
 from sd_accel.onnx.attention import ExportAttnProcessor
-from sd_accel.onnx import export as export_mod
 from sd_accel.onnx.export import _trace, export_need_bytes
 
 # The package re-exports the function ``fingerprint``, which shadows the submodule's name.
