@@ -632,7 +632,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "",
         "Columns: UNet ms/call is the median of every UNet call in the timed runs (batch 2: guidance); "
         "s/image@20 rescales the loop to 20 steps; disk GB is what the row keeps on disk (its engines plus "
-        "the ONNX export they come from, shared by the engine rows; optimum-intel's exported IR); build s is the engines' export+build time from the cache "
+        "what is kept of the ONNX export they come from (its graph, by default), shared by the engine rows; optimum-intel's exported IR); build s is the engines' export+build time from the cache "
         "records (0 when they were already cached); load s is the pipeline load plus the engine swap; latent "
         "relL2 is the final latents' relative L2 error and PSNR the decoded image's, both against the first row.",
     ]

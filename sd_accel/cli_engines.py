@@ -59,6 +59,9 @@ def _profiles(args: argparse.Namespace):
     return None, [Profile(**ranges)]
 
 
+_KEEP_ONNX = {"graph": "graph", "all": True, "none": False}  # --keep-onnx -> build_engines(keep_onnx=)
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     from sd_accel import build_engines, load_pipeline
     from sd_accel.build import engine_components
@@ -69,7 +72,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,
                             components=components, engine_dir=args.engine_dir, progress=not args.json,
-                            keep_onnx=args.keep_onnx)
+                            keep_onnx=_KEEP_ONNX[args.keep_onnx])
     took = time.perf_counter() - start
     rows = [_row(r) for r in records]
     if args.json:
@@ -239,9 +242,11 @@ def add_commands(sub, engine_args) -> None:
     b.add_argument("--precision", choices=("auto", *ENGINE_PRECISIONS), default="auto",
                    help="auto: the backend's default (`sd-accel doctor` lists each backend's)")
     b.add_argument("--allow-pickle", action="store_true")
-    b.add_argument("--keep-onnx", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the ONNX exports for building more profiles later (default); --no-keep-onnx "
-                        "removes them once the engines are built")
+    b.add_argument("--keep-onnx", choices=tuple(_KEEP_ONNX), default="graph",
+                   help="what stays of the ONNX exports once the engines are built: graph (default: the graph "
+                        "without its weights, a few MB; more profiles and refits need no new export), all, none")
+    b.add_argument("--no-keep-onnx", dest="keep_onnx", action="store_const", const="none",
+                   help="the same as --keep-onnx none")
     b.add_argument("--json", action="store_true")
     engine_args(b)
     b.set_defaults(func=_cmd_build)

@@ -5,9 +5,10 @@ For each engine-backed module whose weights changed since its engines were built
 (:mod:`sd_accel.runtime.freshness`), and each of its engines:
 
 1. the ONNX graph the engine was built from (the export cached under ``<engines>/onnx``, keyed
-   by the base weights) is read, and its weight initializers are replaced by the module's
-   current *full* weights (base + every active LoRA's delta at its scale, never a delta on top
-   of an earlier refit: LoRA A, then B, then A again gives A);
+   by the base weights; by default its graph only) is written out again with the module's
+   current *full* weights in its weight initializers (base + every active LoRA's delta at its
+   scale, never a delta on top of an earlier refit: LoRA A, then B, then A again gives A), one
+   tensor at a time (:func:`sd_accel.onnx.weights.write_full`);
 2. the backend builds from that graph the way it built the engine (ONNX Runtime: its optimized
    session at the engine's shapes; OpenVINO: convert and compile) into a scratch folder under
    ``<engines>/.refit`` that lives as long as the refitted engine (never in the index: the
@@ -20,10 +21,7 @@ UNet); ONNX Runtime does optimize the session again (ORT's optimized model bakes
 packed and reordered layouts that cannot be replaced one by one). INT8 engines are refused:
 their weights were quantized with calibrated scales, so a changed weight needs a rebuild.
 
-Names: the exporter keeps the torch names of most weights (``unet.conv_in.weight``); the ones it
-transposes or reshapes (a ``Linear``'s weight into a ``MatMul``, a ``GroupNorm``'s into a
-``Mul``/``Add``) get anonymous names (``onnx::MatMul_1565``), and are found by the node that
-reads them, whose name is the module's path (``/unet/down_blocks.0/.../to_k/MatMul``).
+Which initializer holds which torch weight: :func:`sd_accel.onnx.weights.initializer_map`.
 """
 
 from __future__ import annotations
@@ -34,151 +32,20 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sd_accel.core import SPEC_VERSION, EngineError, InvalidValue
-from sd_accel.runtime.freshness import _peft_layer
+from sd_accel.onnx.weights import effective_weights, write_full
+from sd_accel.onnx.weights import peft_layer as _peft_layer
 from sd_accel.runtime.selection import REFIT_CLOSED
 
 log = logging.getLogger("sd_accel")
 
 REFIT_DIR = ".refit"  # under the engine cache root: scratch folders of refitted engines
 NEEDS_REBUILD = ("int8", "int8-dynamic")  # weights quantized with calibrated scales
-
-
-# --------------------------------------------------------------------------- the weights
-
-
-def effective_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's parameters and buffers under their own names (as without PEFT), each the
-    value the module computes with now: a LoRA layer's base weight plus the delta of each active,
-    unmerged adapter at its current scale (a merged one is in the base weight already)."""
-    lora_layers = {name: m for name, m in module.named_modules() if _peft_layer(m)}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in (*module.named_parameters(), *module.named_buffers()):
-        parts = name.split(".")
-        if any(p.startswith("lora_") for p in parts):  # the adapters' own weights: in the delta
-            continue
-        if "base_layer" not in parts:
-            out[name] = t.detach()
-            continue
-        cut = len(parts) - 1 - parts[::-1].index("base_layer")  # the innermost wrapped layer
-        layer_name = ".".join(parts[:cut])
-        leaf = ".".join(parts[cut + 1:])
-        value = t.detach()
-        layer = lora_layers.get(layer_name)
-        if layer is not None and leaf == "weight":
-            value = value + _delta(layer, layer_name)
-        out[f"{layer_name}.{leaf}" if layer_name else leaf] = value
-    return out
-
-
-def _delta(layer: torch.nn.Module, name: str) -> torch.Tensor:
-    merged = set(layer.merged_adapters)
-    if getattr(layer, "disable_adapters", False):
-        if merged:
-            raise EngineError(f"{name}: LoRA adapters are disabled but {sorted(merged)} merged; "
-                              "unmerge them (pipe.unfuse_lora()) before refitting")
-        return torch.zeros((), dtype=layer.get_base_layer().weight.dtype)
-    delta = torch.zeros((), dtype=layer.get_base_layer().weight.dtype)
-    with torch.no_grad():
-        for adapter in layer.active_adapters:
-            if adapter in merged or adapter not in getattr(layer, "lora_A", {}):
-                continue
-            delta = delta + layer.get_delta_weight(adapter)
-    return delta
-
-
-# --------------------------------------------------------------------------- torch names -> ONNX
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a torch weight goes in the ONNX graph."""
-
-    torch_name: str
-    transpose: bool  # a Linear's weight read by MatMul
-    shape: tuple[int, ...]
-
-
-_ANON_PARAM = {"MatMul": "weight", "Gemm": "weight", "Mul": "weight", "Add": "bias"}
-
-
-def initializer_map(model, torch_shapes: dict[str, tuple[int, ...]]) -> dict[str, Target]:
-    """ONNX initializer name -> the torch weight it holds, for the graph ``model`` (a ModelProto)
-    exported from a module whose weights have ``torch_shapes``. Initializers that are not a
-    weight (shape constants, folded values) are left out."""
-    out: dict[str, Target] = {}
-    inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
-    readers: dict[str, list] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            if name in inits:
-                readers.setdefault(name, []).append(node)
-    for name, shape in inits.items():
-        size = _numel(shape)
-        # named: "<wrapper attribute>.<torch name>" (or the torch name itself)
-        for candidate in (name, name.partition(".")[2]):
-            want = torch_shapes.get(candidate)
-            if want is not None and _numel(want) != size:  # a new vocabulary (an embedding), a new layer size
-                raise EngineError(f"{candidate} is {list(want)} now and {list(shape)} in the engine: the graph "
-                                  "changed, not only its weights; build new engines (build_engines(pipe))")
-            if want is not None:
-                out[name] = Target(candidate, False, shape)
-                break
-        else:
-            nodes = readers.get(name, [])
-            if len(nodes) != 1 or nodes[0].op_type not in _ANON_PARAM:
-                continue
-            node = nodes[0]
-            # "/unet/down_blocks.0/attentions.0/.../to_k/MatMul" -> "down_blocks.0.attentions.0....to_k"
-            parts = node.name.strip("/").split("/")
-            if len(parts) < 3:
-                continue
-            scopes: list[str] = []
-            for scope in parts[1:-1]:
-                if scopes and scope.startswith(scopes[-1] + "."):  # a called Sequential: "inner", "inner.0"
-                    scopes.pop()
-                scopes.append(scope)
-            path = ".".join(scopes)
-            candidate = f"{path}.{_ANON_PARAM[node.op_type]}"
-            want = torch_shapes.get(candidate)
-            if want is None or _numel(want) != size:
-                continue
-            transpose = node.op_type == "MatMul" and len(want) == 2 and tuple(reversed(want)) == shape
-            out[name] = Target(candidate, transpose, shape)
-    return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def replace_weights(model, targets: dict[str, Target], weights: dict[str, torch.Tensor]) -> int:
-    """Write ``weights`` (torch names) into ``model``'s initializers (in place); the count written."""
-    from onnx import numpy_helper
-
-    written = 0
-    for init in model.graph.initializer:
-        target = targets.get(init.name)
-        if target is None or target.torch_name not in weights:
-            continue
-        value = weights[target.torch_name].detach().to("cpu", torch.float32)
-        if target.transpose:
-            value = value.t()
-        dtype = numpy_helper.to_array(init).dtype if not init.external_data else None
-        array = value.contiguous().reshape(target.shape).numpy()
-        new = numpy_helper.from_array(array.astype(dtype) if dtype is not None else array, init.name)
-        init.CopyFrom(new)
-        written += 1
-    return written
 
 
 # --------------------------------------------------------------------------- engines
@@ -221,8 +88,6 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
                  validate_it: bool = True) -> RefittedRunner:
     """A runner for the engine of ``handle`` with ``weights`` (torch names, full values) in place
     of the ones it was built with; validated against ``spec``'s torch module."""
-    import onnx
-
     from sd_accel.profiles import Profile
     from sd_accel.validate import validate
 
@@ -234,21 +99,11 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
                            f"(build_engines(pipe, precision={precision!r})) or use an fp32/bf16 engine")
     cache_root = Path(handle.cache.root)
     source = _artifact(cache_root, record)
-    progress(0.0, "reading the exported graph")
-    model = onnx.load(str(source))
-    targets = initializer_map(model, {k: tuple(v.shape) for k, v in weights.items()})
-    written = replace_weights(model, targets, weights)
-    missed = sorted(set(weights) - {t.torch_name for t in targets.values()})
-    if missed:
-        log.debug("%s: %d torch tensors have no initializer of their own (folded): %s",
-                  record.key.name, len(missed), missed[:8])
     folder = _scratch(cache_root, record.key.name)
     try:
         graph = folder / "graph"
-        graph.mkdir()
-        onnx.save_model(model, str(graph / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location="model.onnx.data", size_threshold=1024)
-        del model
+        progress(0.0, "writing the current weights into the exported graph")
+        _, written = write_full(source.parent, weights, graph, replace=True)
         progress(0.2, f"building with {written} weights replaced")
         engine = folder / "engine"
         engine.mkdir()

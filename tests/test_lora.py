@@ -252,7 +252,7 @@ def lora_b(tmp_path_factory):
 
 
 def test_effective_weights_are_base_plus_each_active_delta_under_the_original_names():
-    from sd_accel.refit import effective_weights
+    from sd_accel.onnx.weights import effective_weights
 
     m = Tiny()
     plain = {k: v.clone() for k, v in m.state_dict().items()}
@@ -273,7 +273,7 @@ def test_initializer_map_follows_the_exporter_names_and_refuses_a_changed_shape(
     import onnx
 
     from sd_accel.core import EngineError
-    from sd_accel.refit import initializer_map
+    from sd_accel.onnx.weights import initializer_map
 
     class Wrapper(torch.nn.Module):  # as the export wrappers hold the module
         def __init__(self) -> None:

@@ -306,6 +306,28 @@ class EngineCache:
         kinds = set(kinds)
         return self._drop(lambda i: i.kind in kinds and (i.component, i.weights) in pairs and not i.building)
 
+    def slim_intermediates_of(
+        self, records: Iterable[EngineRecord], torch_shapes: dict[str, dict[str, tuple[int, ...]]]
+    ) -> builtins.list[Intermediate]:
+        """Keep only the graph of the ONNX exports ``records`` were built from (what
+        ``build_engines`` does after its last build, by default): the weights, most of an export,
+        come from the module when another engine is built from it or refitted
+        (:func:`sd_accel.onnx.weights.slim_export`). ``torch_shapes``: per component, the
+        module's tensor shapes by name. Skips one a running build may read; returns those slimmed."""
+        from sd_accel.onnx.weights import is_slim, slim_export
+
+        pairs = {pair for r in records for pair in serves(r)}
+
+        def pick(item: Intermediate) -> bool:
+            return (item.kind == ONNX_DIR and (item.component, item.weights) in pairs and not item.building
+                    and item.component in torch_shapes and not is_slim(self.root / item.name))
+
+        def slim(item: Intermediate) -> None:
+            freed = slim_export(self.root / item.name, torch_shapes[item.component])
+            logger.info("kept the graph of %s only (%s freed)", item.name, format_size(freed))
+
+        return self._drop(pick, slim)
+
     def delete_intermediate(self, name: str) -> bool:
         """Remove one intermediate by its listed name (``onnx/unet.0123456789abcdef.s1``), even if
         engines are kept for it. False if there is none; EngineError while a build may read it."""
@@ -321,8 +343,11 @@ class EngineCache:
             raise EngineError(f"{wanted} is in use by a running build; delete it when the build is done.")
         return True
 
-    def _drop(self, select: Callable[[Intermediate], bool]) -> builtins.list[Intermediate]:
-        """Remove the intermediates ``select`` picks, each under its export's lock and checked
+    def _drop(
+        self, select: Callable[[Intermediate], bool], act: Callable[[Intermediate], None] | None = None
+    ) -> builtins.list[Intermediate]:
+        """Remove the intermediates ``select`` picks (or ``act`` on them instead: slimming an export
+        leaves what other caches sharing it need), each under its export's lock and checked
         again there. The order matters against a build in another process: ``build_one`` holds
         its engine lock (and has its temp folder) before it asks for the export, and asking
         takes the export's lock; so with that lock held here, either the build shows in
@@ -331,7 +356,7 @@ class EngineCache:
         for item in self.intermediates():
             if not select(item):
                 continue
-            if (self.root / item.kind).is_symlink():  # shared with other caches (the benchmark's rows)
+            if act is None and (self.root / item.kind).is_symlink():  # shared with other caches (the benchmark's rows)
                 logger.info("kept %s: %s is a link to a folder other caches share", item.name, item.kind)
                 continue
             with self._intermediate_lock(item) as held:
@@ -340,6 +365,10 @@ class EngineCache:
                     continue
                 current = next((i for i in self.intermediates() if i.name == item.name), None)
                 if current is None or not select(current):
+                    continue
+                if act is not None:
+                    act(current)
+                    removed.append(current)
                     continue
                 for path in paths(self.root, current):
                     _remove_tree(path)

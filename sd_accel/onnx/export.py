@@ -34,6 +34,7 @@ from sd_accel.core import SPEC_VERSION, EngineError, Progress
 from sd_accel.onnx.attention import export_attention
 from sd_accel.onnx.fingerprint import fingerprint
 from sd_accel.onnx.optimize import DATA_SUFFIX, check_model, optimize_file
+from sd_accel.onnx.weights import is_slim, write_full
 from sd_accel.units import format_size
 
 log = logging.getLogger("sd_accel")
@@ -307,6 +308,23 @@ def onnx_artifact(spec: ComponentSpec, cache_root: Path, progress: Progress | No
     return ensure_onnx_artifact(spec, cache_root, progress).path
 
 
+@contextlib.contextmanager
+def full_model(artifact: OnnxArtifact, module: torch.nn.Module, scratch: Path) -> Iterator[Path]:
+    """The path of a complete model of ``artifact`` for a backend to build from: the export's own
+    file, or, when the export kept its graph only (:func:`sd_accel.onnx.weights.slim_export`),
+    that graph with ``module``'s weights written into ``scratch`` (removed after). ``module`` is
+    the one the export's fingerprint was taken from, so its weights are the export's."""
+    if not is_slim(artifact.folder):
+        yield artifact.path
+        return
+    try:
+        path, written = write_full(artifact.folder, _named_tensors(module), Path(scratch))
+        log.info("wrote %d weights into the graph of %s for this build", written, artifact.folder.name)
+        yield path
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def validate_artifact(folder: Path) -> str | None:
     """Why the artifact in ``folder`` cannot be used, or None when it can.
 
@@ -349,6 +367,7 @@ __all__ = [
     "export_need_bytes",
     "export_onnx",
     "fp32_on",
+    "full_model",
     "onnx_artifact",
     "plain_attention",
     "validate_artifact",

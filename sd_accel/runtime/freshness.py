@@ -39,6 +39,8 @@ import operator
 
 import torch
 
+from sd_accel.onnx.weights import peft_layer as _peft_layer
+
 _PROBES = 4  # intervals per tensor: probes at 0, n/4, n/2, 3n/4 and the last element
 
 # The reasons a stale call falls back with (one each, so the log says each once).
@@ -47,12 +49,6 @@ REPLACED = "parameters replaced"
 EDITED = "parameters edited in place"
 ADAPTERS = "LoRA adapters, their scales or merged state changed"
 VALUES = "parameter values changed (a LoRA fused or unloaded, an edit through .data)"
-
-
-def _peft_layer(module: torch.nn.Module) -> bool:
-    # PEFT's tuner layers, without importing peft (it is optional): they all carry these.
-    return hasattr(module, "merged_adapters") and hasattr(module, "active_adapters") and hasattr(
-        module, "get_base_layer")
 
 
 def adapter_state(layer: torch.nn.Module) -> tuple:
