@@ -25,13 +25,18 @@ SIZE_FACTOR = {"fp32": 1.1, "bf16": 0.6, "fp16": 0.6, "int8": 0.6, "int8-dynamic
 GRAPH_SLACK = 2 * 2**20
 
 def export_weight_bytes(engine_dir: Path, component: str) -> int:
-    """fp32 weight bytes of a component's ONNX export in the cache (initializers, external included)."""
+    """fp32 weight bytes of a component's ONNX export in the cache (initializers, external included;
+    for a graph-only export, the weights its weights.json lists too)."""
     import onnx
+
+    from sd_accel.onnx.weights import is_slim, slim_weights
 
     (folder,) = [p for p in (engine_dir / "onnx").glob(f"{component}.*") if p.is_dir()]
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    return sum(math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-               for t in model.graph.initializer)
+    tensors = [(t.dims, t.data_type) for t in model.graph.initializer]
+    if is_slim(folder):
+        tensors += [(w.shape, w.data_type) for w in slim_weights(folder)]
+    return sum(math.prod(dims) * onnx.helper.tensor_dtype_to_np_dtype(dtype).itemsize for dims, dtype in tensors)
 
 
 def check(result: dict, engine_dir: Path, components: set[str], peak_gib: float, points: list[str]) -> None:
