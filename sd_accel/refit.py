@@ -9,6 +9,10 @@ For each engine-backed module whose weights changed since its engines were built
    current *full* weights in its weight initializers (base + every active LoRA's delta at its
    scale, never a delta on top of an earlier refit: LoRA A, then B, then A again gives A), one
    tensor at a time (:func:`sd_accel.onnx.weights.write_full`);
+   Where the backend can take new weights without compiling (OpenVINO float engines: their
+   compiled blob reads the MatMul / Conv weights from ``engine.bin`` at load), a copy of the
+   engine with those weights written in is made instead (seconds), validated, and used; a change
+   it cannot take (a bias, a norm scale: folded into the compiled blob) goes the full way:
 2. the backend builds from that graph the way it built the engine (ONNX Runtime: its optimized
    session at the engine's shapes; OpenVINO: convert and compile) into a scratch folder under
    ``<engines>/.refit`` that lives as long as the refitted engine (never in the index: the
@@ -101,6 +105,10 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
     source = _artifact(cache_root, record)
     folder = _scratch(cache_root, record.key.name)
     try:
+        runner = _patched(handle, weights, spec, source.parent, folder / "patched", progress)
+        if runner is not None:
+            progress(1.0, "refitted")
+            return RefittedRunner(runner, folder, record.key.model)
         graph = folder / "graph"
         progress(0.0, "writing the current weights into the exported graph")
         _, written = write_full(source.parent, weights, graph, replace=True)
@@ -126,6 +134,41 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
         raise
     progress(1.0, "refitted")
     return RefittedRunner(runner, folder, record.key.model)
+
+
+def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: Path,
+             progress: Callable[[float, str], None]):
+    """The fast refit, where the backend can write new weights into a copy of the engine without
+    compiling (OpenVINO: its compiled engine reads the MatMul / Conv weights from engine.bin at
+    load, so a LoRA needs a patched copy of that file): a validated runner, or None when the
+    backend cannot (a bias or norm changed, an older engine) or the result disagrees with torch,
+    and the full refit runs. Always validated: it relies on how the backend loads its engine."""
+    from sd_accel.onnx.weights import onnx_values
+    from sd_accel.profiles import Profile
+    from sd_accel.validate import validate
+
+    patch = getattr(handle.backend, "patch_weights", None)
+    if patch is None:
+        return None
+    record = handle.record
+    progress(0.0, "writing the current weights into a copy of the engine")
+    files = patch(handle.cache.engine_dir(record.key), list(record.files), onnx_values(export, weights), out)
+    if files is None:
+        shutil.rmtree(out, ignore_errors=True)
+        return None
+    runner = handle.backend.load(out, files, handle.shapes)
+    progress(0.5, "validating against torch")
+    result = validate(spec, runner, Profile.from_tag(record.key.profile), record.key.precision,
+                      device=handle.backend.torch_device)
+    if result.ok:
+        log.info("%s: engine refitted by writing its weights (validated, max abs error %.2e)",
+                 record.key.name, result.max_abs)
+        return runner
+    runner.close()
+    shutil.rmtree(out, ignore_errors=True)
+    log.warning("%s: the engine with its weights written in disagrees with torch (%s); refitting in full",
+                record.key.name, result.why)
+    return None
 
 
 def _closed(wrapper) -> bool:

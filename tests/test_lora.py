@@ -396,8 +396,13 @@ def test_refit_on_openvino_engines_fp32_and_bf16(openvino_engines, lora_dir, tor
         pipe = accelerate(load_pipeline("builtin:tiny-sd15"), _config(folder), backend="openvino",
                           engine_precision=precision)
         pipe.load_lora_weights(lora_dir, adapter_name="style")
-        done = refit_engines(pipe, progress=False)
+        events = []
+        done = refit_engines(pipe, progress=events.append)
         assert len(done["unet"]) == len(precisions)  # every engine of the UNet, validated
+        said = [message for _, _, message in events]
+        # the fast path: new weights written into a copy of engine.bin, nothing converted or compiled
+        assert "writing the current weights into a copy of the engine" in said, said
+        assert not [m for m in said if "converting" in m or "compiling" in m], said
         got = _generate(pipe)
         used = stats(pipe)["unet"]["engines_used"]
         assert stats(pipe)["unet"]["engine_calls"] == 2 and all(f".{precision}." in n for n in used)
@@ -406,6 +411,62 @@ def test_refit_on_openvino_engines_fp32_and_bf16(openvino_engines, lora_dir, tor
             assert to_lora < 1e-3, to_lora
         else:  # bf16 on random tiny weights is far off torch: check that the LoRA is in, not the error
             assert to_lora < to_base / 2, (to_lora, to_base)
+
+
+@pytest.mark.slow
+def test_openvino_refit_of_a_folded_weight_compiles_again(openvino_engines, torch_images):
+    """A norm scale is folded into the compiled engine, so writing it into engine.bin would change
+    nothing: the refit sees the digest differ and converts and compiles instead, and the result
+    matches torch with the same edit."""
+    from sd_accel import refit_engines
+
+    folder, _ = openvino_engines
+    reference = load_pipeline("builtin:tiny-sd15")
+    with torch.no_grad():
+        reference.unet.conv_norm_out.weight.mul_(1.5)
+    want = _generate(accelerate(reference, _config()))
+    pipe = accelerate(load_pipeline("builtin:tiny-sd15"), _config(folder), backend="openvino",
+                      engine_precision="fp32")
+    with torch.no_grad():
+        pipe.unet.conv_norm_out.weight.mul_(1.5)
+    events = []
+    refit_engines(pipe, progress=events.append)
+    said = [message for _, _, message in events]
+    assert "writing the current weights into the exported graph" in said and any("compiling" in m for m in said)
+    got = _generate(pipe)
+    assert stats(pipe)["unet"]["engine_calls"] == 2
+    assert np.abs(got - want).max() < 1e-3
+
+
+def test_openvino_weight_map_places_every_linear_and_conv_weight(openvino_engines):
+    import json
+
+    import onnx
+
+    from sd_accel.backends.openvino.weight_map import MAP_FILE, patch
+    from sd_accel.cache.store import EngineCache
+
+    folder, _ = openvino_engines
+    record = next(r for r in EngineCache(folder).list() if r.key.precision == "fp32")
+    assert MAP_FILE in record.files
+    table = json.loads((folder / record.name / MAP_FILE).read_text())
+    (export,) = [p for p in (folder / "onnx").iterdir() if p.is_dir()]
+    graph = onnx.load(str(export / "model.onnx"), load_external_data=False).graph
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.op_type)
+    # the export keeps its graph only: its weights are graph inputs now, with their shapes
+    dims = {i.name: len(i.type.tensor_type.shape.dim) for i in graph.input}
+    dims.update({i.name: len(i.dims) for i in graph.initializer})
+    linear_and_conv = {name for name, n in dims.items() if n in (2, 4) and readers.get(name) in
+                       (["MatMul"], ["Conv"], ["Gemm"])}
+    assert len(linear_and_conv) >= 50 and set(table["placed"]) == linear_and_conv
+    assert not set(table["digests"]) & linear_and_conv
+    # a value outside the map that changed (here: every one): the engine cannot take it by a patch
+    assert patch(folder / record.name, record.files, lambda n: np.zeros(1, np.float32), folder / "x",
+                 "engine.bin") is None
+    assert not (folder / "x").exists()
 
 
 # --------------------------------------------------------------------------- LoRA scales (14.3)

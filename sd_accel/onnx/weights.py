@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -308,6 +309,30 @@ def write_full(folder: Path, weights: dict[str, torch.Tensor], dest: Path, model
     return dest / model_file, written
 
 
+def onnx_values(folder: Path, weights: dict[str, torch.Tensor], model_file: str = "model.onnx"
+                ) -> Callable[[str], np.ndarray | None]:
+    """``value(onnx_name)``: the float32 array (ONNX layout) an initializer of the export in
+    ``folder`` holds with ``weights`` (torch names) in place of the export's own; the export's own
+    value for an initializer that is not a weight; None for a name it does not know. Computed on
+    each call, so a caller walking a 3 GB graph holds one tensor at a time."""
+    folder = Path(folder)
+    model = onnx.load(str(folder / model_file), load_external_data=False)
+    if is_slim(folder):
+        targets = {w.onnx_name: w.target for w in slim_weights(folder)}
+    else:
+        targets = initializer_map(model, {k: tuple(v.shape) for k, v in weights.items()})
+    inits = {i.name: i for i in model.graph.initializer}
+
+    def value(name: str) -> np.ndarray | None:
+        target = targets.get(name)
+        if target is not None and target.torch_name in weights:
+            return _array(weights[target.torch_name], target, np.dtype(np.float32))
+        init = inits.get(name)
+        return None if init is None else numpy_helper.to_array(init, base_dir=str(folder))
+
+    return value
+
+
 __all__ = [
     "WEIGHTS_FILE",
     "SlimWeight",
@@ -315,6 +340,7 @@ __all__ = [
     "effective_weights",
     "initializer_map",
     "is_slim",
+    "onnx_values",
     "peft_layer",
     "replace_weights",
     "slim_export",

@@ -20,7 +20,9 @@ graph without them:
   rest in ``int8`` engines;
 - ``engine.blob``: the compiled model exported with ``CACHE_MODE=OPTIMIZE_SIZE`` (OpenVINO's
   "weightless" blob: the optimized graph and kernels' choices, no weights); loading imports it
-  with ``WEIGHTS_PATH`` pointing at ``engine.bin``, which OpenVINO memory-maps.
+  with ``WEIGHTS_PATH`` pointing at ``engine.bin``, which OpenVINO memory-maps;
+- ``engine.weights.json`` (float engines): where each MatMul / Conv weight sits in ``engine.bin``,
+  so a refit patches a copy of it instead of compiling (``weight_map.py``).
 
 The engine used to be one exported blob holding the weights as compiled (fp32 for bf16 engines too:
 twice the bf16 size; see the report in the project notes for SD 1.5 figures).
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sd_accel.backends.base import BackendInfo
+from sd_accel.backends.openvino.weight_map import MAP_FILE, patch, write_map
 from sd_accel.core import EngineError, Progress, ShapeRanges
 from sd_accel.device import cpu_class, cpu_flags
 
@@ -146,6 +149,11 @@ class OpenVinoBackend:
             progress(0.85, "exporting the compiled model (without weights)")
             (out_dir / ENGINE_FILE).write_bytes(compiled.export_model().getbuffer())
             del compiled
+            files = [ENGINE_FILE, WEIGHTS_FILE, META_FILE]
+            if precision != "int8":  # int8 weights carry calibrated scales: a refit rebuilds
+                progress(0.9, "mapping the weights in engine.bin (for refits)")
+                write_map(Path(onnx_path), out_dir / _GRAPH_FILE, out_dir / WEIGHTS_FILE, out_dir / MAP_FILE)
+                files.append(MAP_FILE)
             (out_dir / _GRAPH_FILE).unlink()
             (out_dir / META_FILE).write_text(json.dumps({"precision": precision, "weights": WEIGHTS_FILE}))
         except EngineError:  # BuildCancelled is one too
@@ -153,7 +161,13 @@ class OpenVinoBackend:
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
             raise EngineError(f"OpenVINO could not build {onnx_path.name}: {exc}") from exc
         progress(1.0, "engine saved")
-        return [ENGINE_FILE, WEIGHTS_FILE, META_FILE]
+        return files
+
+    def patch_weights(self, engine_dir: Path, files: list[str], value, out_dir: Path) -> list[str] | None:
+        """A copy of an engine with new MatMul / Conv weights, without converting or compiling
+        (``weight_map.py`` beside this file): its files in ``out_dir``, or None when the change
+        needs a build (a bias or norm changed, an engine built before the map existed)."""
+        return patch(engine_dir, files, value, out_dir, WEIGHTS_FILE)
 
     def load(self, engine_dir: Path, files: list[str], shapes: ShapeRanges):
         """Import the compiled model (seconds, no recompilation); the weights are memory-mapped

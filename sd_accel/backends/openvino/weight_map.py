@@ -1,0 +1,139 @@
+"""Where each weight of an OpenVINO engine sits in its ``engine.bin``, so that a refit can write new
+weights into a copy of the file instead of converting and compiling again.
+
+The engine's ``engine.blob`` is exported weightless (``CACHE_MODE=OPTIMIZE_SIZE``): at import the
+CPU plugin reads the MatMul and Convolution weights from ``engine.bin`` again; biases and norm
+scales are folded into the blob at compile time. A LoRA (or any change of Linear / Conv weights)
+therefore needs only a patched copy of ``engine.bin``: seconds instead of the convert + compile of a
+build (measured on SD 1.5's UNet at 512 px: scripts/BENCHMARKS.md, "LoRA refit vs rebuild").
+
+At build time :func:`write_map` records, for each ONNX initializer read by one MatMul, Gemm or Conv
+(``engine.weights.json``), where its stored bytes are (the converter may keep a weight as it is or
+transposed, and names most of them anew, so they are found by value: a weight's bytes found in
+exactly one constant), and for every other initializer a digest of its value. :func:`patch` then
+writes new values of the mapped ones, and refuses (None: the caller builds in full) when any other
+initializer's value changed, or a mapped one cannot be placed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("sd_accel")
+
+MAP_FILE = "engine.weights.json"
+_PATCHABLE_OPS = {"MatMul", "Gemm", "Conv"}
+_STORAGE = {"f16": np.float16, "f32": np.float32}
+
+
+def _digest(array: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(array, dtype=np.float32).tobytes(), digest_size=16).hexdigest()
+
+
+def _constants(xml_path: Path) -> dict[int, list[tuple[int, str]]]:
+    """size in bytes -> [(offset, element type)] of the IR's constants stored in its .bin."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for layer in ET.parse(xml_path).getroot().iter("layer"):
+        if layer.get("type") != "Const":
+            continue
+        data = layer.find("data")
+        if data is None or data.get("offset") is None:
+            continue
+        out.setdefault(int(data.get("size")), []).append((int(data.get("offset")), data.get("element_type", "")))
+    return out
+
+
+def write_map(onnx_path: Path, xml_path: Path, bin_path: Path, out_path: Path) -> int:
+    """Record where the weights of ``onnx_path`` sit in the IR ``xml_path`` / ``bin_path`` (see the
+    module docstring) into ``out_path``; returns how many were placed."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    readers: dict[str, list[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.op_type)
+    constants = _constants(xml_path)
+    placed: dict[str, dict] = {}
+    digests: dict[str, str] = {}
+    with open(bin_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        for init in model.graph.initializer:
+            value = numpy_helper.to_array(init, base_dir=str(onnx_path.parent))
+            ops = readers.get(init.name, [])
+            spot = None
+            if value.dtype == np.float32 and value.ndim in (2, 4) and len(ops) == 1 and ops[0] in _PATCHABLE_OPS:
+                spot = _place(value, constants, blob)
+            if spot is None:
+                digests[init.name] = _digest(value)
+            else:
+                placed[init.name] = spot
+            del value
+    out_path.write_text(json.dumps({"placed": placed, "digests": digests}))
+    log.debug("%s: %d weights placed in %s, %d others kept by digest", onnx_path.parent.name, len(placed),
+              bin_path.name, len(digests))
+    return len(placed)
+
+
+def _place(value: np.ndarray, constants: dict[int, list[tuple[int, str]]], blob: mmap.mmap) -> dict | None:
+    for element, dtype in _STORAGE.items():
+        stored = value.astype(dtype)
+        candidates = [off for off, kind in constants.get(stored.nbytes, []) if kind == element]
+        if not candidates:
+            continue
+        layouts = [("same", stored)] + ([("T", stored.T)] if stored.ndim == 2 else [])
+        for layout, arr in layouts:
+            raw = np.ascontiguousarray(arr).tobytes()
+            hits = [off for off in candidates if blob[off:off + len(raw)] == raw]
+            if len(hits) == 1:
+                return {"offset": hits[0], "size": len(raw), "layout": layout, "element": element,
+                        "shape": list(value.shape)}
+            if len(hits) > 1:  # the same value in several places (ties, an untrained model): not placeable
+                return None
+    return None
+
+
+def patch(engine_dir: Path, files: list[str], value: Callable[[str], np.ndarray | None], out_dir: Path,
+          weights_file: str) -> list[str] | None:
+    """A copy of the engine in ``engine_dir`` with the weights ``value(onnx_name)`` (float32, in the
+    ONNX layout) written into its ``weights_file``: the engine's files in ``out_dir``, or None when
+    the engine has no map or a weight outside the map changed (the caller builds in full)."""
+    engine_dir, out_dir = Path(engine_dir), Path(out_dir)
+    map_path = engine_dir / MAP_FILE
+    if MAP_FILE not in files or not map_path.is_file():
+        return None
+    table = json.loads(map_path.read_text())
+    for name, digest in table["digests"].items():
+        new = value(name)
+        if new is None or _digest(new) != digest:
+            log.info("%s: %s changed and is folded into the compiled engine; refitting in full", engine_dir.name, name)
+            return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(engine_dir / weights_file, out_dir / weights_file)
+    with open(out_dir / weights_file, "r+b") as f:
+        for name, spot in table["placed"].items():
+            new = value(name)
+            if new is None or list(new.shape) != spot["shape"]:
+                return None
+            stored = new.astype(_STORAGE[spot["element"]])
+            raw = np.ascontiguousarray(stored.T if spot["layout"] == "T" else stored).tobytes()
+            f.seek(spot["offset"])
+            f.write(raw)
+    for name in files:
+        if name == weights_file:
+            continue
+        try:
+            os.link(engine_dir / name, out_dir / name)  # the compiled graph is read, never written
+        except OSError:
+            shutil.copyfile(engine_dir / name, out_dir / name)
+    return list(files)
