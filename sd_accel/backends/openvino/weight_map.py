@@ -40,16 +40,21 @@ def _digest(array: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(array, dtype=np.float32).tobytes(), digest_size=16).hexdigest()
 
 
-def _constants(xml_path: Path) -> dict[int, list[tuple[int, str]]]:
-    """size in bytes -> [(offset, element type)] of the IR's constants stored in its .bin."""
-    out: dict[int, list[tuple[int, str]]] = {}
+_HEAD = 256  # bytes of a constant that index it: one full comparison per weight, not one per same-size constant
+
+
+def _constants(xml_path: Path, blob: mmap.mmap) -> dict[tuple[str, int, bytes], list[int]]:
+    """(element type, size in bytes, first bytes) -> offsets of the IR's constants in its .bin."""
+    out: dict[tuple[str, int, bytes], list[int]] = {}
     for layer in ET.parse(xml_path).getroot().iter("layer"):
         if layer.get("type") != "Const":
             continue
         data = layer.find("data")
         if data is None or data.get("offset") is None:
             continue
-        out.setdefault(int(data.get("size")), []).append((int(data.get("offset")), data.get("element_type", "")))
+        offset, size = int(data.get("offset")), int(data.get("size"))
+        key = (data.get("element_type", ""), size, blob[offset:offset + min(size, _HEAD)])
+        out.setdefault(key, []).append(offset)
     return out
 
 
@@ -64,10 +69,10 @@ def write_map(onnx_path: Path, xml_path: Path, bin_path: Path, out_path: Path) -
     for node in model.graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node.op_type)
-    constants = _constants(xml_path)
     placed: dict[str, dict] = {}
     digests: dict[str, str] = {}
     with open(bin_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        constants = _constants(xml_path, blob)
         for init in model.graph.initializer:
             value = numpy_helper.to_array(init, base_dir=str(onnx_path.parent))
             ops = readers.get(init.name, [])
@@ -85,15 +90,13 @@ def write_map(onnx_path: Path, xml_path: Path, bin_path: Path, out_path: Path) -
     return len(placed)
 
 
-def _place(value: np.ndarray, constants: dict[int, list[tuple[int, str]]], blob: mmap.mmap) -> dict | None:
+def _place(value: np.ndarray, constants: dict[tuple[str, int, bytes], list[int]], blob: mmap.mmap) -> dict | None:
     for element, dtype in _STORAGE.items():
         stored = value.astype(dtype)
-        candidates = [off for off, kind in constants.get(stored.nbytes, []) if kind == element]
-        if not candidates:
-            continue
         layouts = [("same", stored)] + ([("T", stored.T)] if stored.ndim == 2 else [])
         for layout, arr in layouts:
             raw = np.ascontiguousarray(arr).tobytes()
+            candidates = constants.get((element, len(raw), raw[:_HEAD]), [])
             hits = [off for off in candidates if blob[off:off + len(raw)] == raw]
             if len(hits) == 1:
                 return {"offset": hits[0], "size": len(raw), "layout": layout, "element": element,
