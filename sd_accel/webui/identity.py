@@ -108,14 +108,20 @@ def job_loras(extra_network_data: dict | None, part: str = "unet") -> tuple[Lora
 
 def forge_loras(patcher: Any) -> LoraSet:
     """LoRAs a Forge UNet patcher carries (``lora_patches`` keys: file, strength_patch,
-    strength_model, online); a Forge 1 patcher with anonymous ``patches`` gets one opaque entry."""
+    strength_model, online); a Forge 1 patcher with anonymous ``patches`` gets one opaque entry.
+
+    Forge's LoRA extension passes the tag's strength as ``strength_patch`` (the delta's scale;
+    ``strength_model``, which scales the base weight, stays 1.0): that is the strength. A
+    ``strength_model`` other than 1 goes into the name (``film*0.5``): another weight."""
     lora_patches = getattr(patcher, "lora_patches", None)
     if isinstance(lora_patches, dict):
         entries = []
         for key in lora_patches:
             key = key if isinstance(key, tuple) else (key,)
-            strength = key[2] if len(key) > 2 else (key[1] if len(key) > 1 else 1.0)
-            entries.append(_entry(Path(str(key[0])).stem, strength, None))
+            strength = key[1] if len(key) > 1 else 1.0
+            model_strength = float(key[2]) if len(key) > 2 else 1.0
+            name = Path(str(key[0])).stem
+            entries.append(_entry(name if model_strength == 1.0 else f"{name}*{model_strength:g}", strength, None))
         return _sorted(entries)
     patches = getattr(patcher, "patches", None)
     if isinstance(patches, dict) and patches:
