@@ -180,3 +180,26 @@ def test_forge_online_loras_are_not_refitted(tmp_path, capsys, monkeypatch):
     webui.txt2img(prompt="a cat <lora:film:1>", steps=1)
     text = capsys.readouterr().out
     assert "applied online" in text and "refitting" not in text
+
+
+def test_forge1_patches_id_tells_loras_and_strengths_apart():
+    """Forge 1.x's patcher has only ``patches`` (layer key -> [(strength_patch, value,
+    strength_model)]): most LoRAs patch the same layers, so the keys alone cannot name the set."""
+    from types import SimpleNamespace
+
+    from sd_accel.webui.identity import forge_loras
+
+    g = torch.Generator().manual_seed(0)
+    keys = ["diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight",
+            "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_v.weight"]
+
+    def lora(strength: float, seed: int):
+        g.manual_seed(seed)
+        return SimpleNamespace(patches={k: [(strength, (torch.randn(8, 2, generator=g), torch.randn(2, 8, generator=g),
+                                                         2.0, None), 1.0)] for k in keys})
+
+    a, a_again, a_half, b = lora(0.8, 1), lora(0.8, 1), lora(0.5, 1), lora(0.8, 2)
+    assert forge_loras(a) == forge_loras(a_again)
+    assert forge_loras(a)[0][0].startswith("patched-")
+    assert len({forge_loras(a), forge_loras(a_half), forge_loras(b)}) == 3
+    assert forge_loras(SimpleNamespace(patches={})) == ()

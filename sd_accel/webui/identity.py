@@ -125,9 +125,33 @@ def forge_loras(patcher: Any) -> LoraSet:
         return _sorted(entries)
     patches = getattr(patcher, "patches", None)
     if isinstance(patches, dict) and patches:
-        digest = hashlib.sha256("\n".join(sorted(map(str, patches))).encode()).hexdigest()[:8]
-        return (("patched-" + digest, 1.0, None),)
+        return (("patched-" + _patches_digest(patches), 1.0, None),)
     return ()
+
+
+def _patches_digest(patches: dict) -> str:
+    """8 hex over a Forge 1 patcher's ``patches`` (layer key -> [(strength_patch, value,
+    strength_model), ...]): the keys, the strengths, and each patch tensor's shape and first
+    values. The keys alone are the same for most LoRAs (they patch the same attention layers):
+    an engine built with one LoRA would have served another, or another strength."""
+    h = hashlib.sha256()
+    for key in sorted(patches, key=str):
+        h.update(f"{key}\n".encode())
+        for entry in patches[key] if isinstance(patches[key], (list, tuple)) else [patches[key]]:
+            parts = entry if isinstance(entry, tuple) else (entry,)
+            h.update(repr([p for p in parts if isinstance(p, (int, float, str))]).encode())
+            for t in _tensors(parts):
+                h.update(f"{tuple(t.shape)}".encode())
+                h.update(t.detach().reshape(-1)[:16].to("cpu", torch.float32).numpy().tobytes())
+    return h.hexdigest()[:8]
+
+
+def _tensors(value) -> list:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def weights_id(ckpt_hash: str, loras: LoraSet = ()) -> str:
