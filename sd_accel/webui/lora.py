@@ -115,7 +115,7 @@ def refit_context(unet: torch.nn.Module) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(export_context(unet))
         stack.enter_context(torch.no_grad())
-        for device in ("cpu", "cuda"):
+        for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
             with contextlib.suppress(RuntimeError, ValueError):
                 stack.enter_context(torch.autocast(device_type=device, enabled=False))
         yield
