@@ -56,12 +56,18 @@ NEEDS_REBUILD = ("int8", "int8-dynamic")  # weights quantized with calibrated sc
 
 
 def _artifact(cache_root: Path, record) -> Path:
+    from sd_accel.cache.intermediates import serves
+
     key = record.key
-    path = Path(cache_root) / "onnx" / f"{key.component}.{key.model[:16]}.s{SPEC_VERSION}" / "model.onnx"
-    if not path.exists():
-        raise EngineError(f"{key.name}: the ONNX graph it was built from ({path.parent}) is gone (pruned?); "
-                          "rebuild the engine from the changed weights (build_engines(pipe)) instead")
-    return path
+    # The export is keyed by the weights' fingerprint: the key's own, or, for engines keyed by
+    # another id (the WebUI's checkpoint hash), the fingerprint their record keeps.
+    candidates = [Path(cache_root) / "onnx" / f"{component}.{weights}.s{SPEC_VERSION}" / "model.onnx"
+                  for component, weights in sorted(serves(record), key=lambda pair: pair[1] != key.model[:16])]
+    for path in candidates:
+        if path.exists():
+            return path
+    raise EngineError(f"{key.name}: the ONNX graph it was built from ({candidates[0].parent}) is gone (pruned?); "
+                      "rebuild the engine from the changed weights (build_engines(pipe)) instead")
 
 
 def _scratch(cache_root: Path, name: str) -> Path:
@@ -169,6 +175,55 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     log.warning("%s: the engine with its weights written in disagrees with torch (%s); refitting in full",
                 record.key.name, result.why)
     return None
+
+
+def needs_rebuild(handle) -> str | None:
+    """Why the engine of ``handle`` cannot be refitted (its precision), or None when it can."""
+    precision = handle.record.key.precision
+    if precision in NEEDS_REBUILD:
+        return (f"{handle.name} is {precision} (weights quantized with calibrated scales): changed weights "
+                "need an engine built from them")
+    return None
+
+
+def refit_component(engines, weights: dict[str, torch.Tensor], spec,
+                    progress: Callable[[str, float, str], None] | None = None,
+                    validate: bool = True):
+    """A new :class:`~sd_accel.runtime.ComponentEngines` with every usable engine of ``engines``
+    refitted to ``weights`` (torch names, full values: base + every LoRA delta), each validated
+    against ``spec``'s torch module (which must compute with those weights). ``engines`` is left
+    as it is (its base engines keep serving other weights); the new handles share its records,
+    have their own counters, and close their refits (scratch folders) with :meth:`close`.
+    ``progress(engine, fraction, message)``. All or nothing: raises
+    :class:`~sd_accel.core.InvalidValue` when an engine cannot be refitted (INT8:
+    :func:`needs_rebuild`), :class:`~sd_accel.core.EngineError` when a refit fails validation
+    or its graph is gone.
+
+    For hosts that hold engines themselves (the WebUI extension); a diffusers pipeline uses
+    :func:`refit_engines`."""
+    from dataclasses import replace
+
+    from sd_accel.runtime.selection import ComponentEngines
+
+    handles = [h for h in engines.handles if h.broken in (None, REFIT_CLOSED)]
+    refused = [why for why in map(needs_rebuild, handles) if why]
+    if refused:
+        raise InvalidValue("; ".join(refused))
+    if not handles:
+        raise EngineError(f"{engines.component}: no usable engine to refit")
+    report = progress or (lambda name, f, m: None)
+    made: list = []
+    try:
+        for handle in handles:
+            runner = refit_engine(handle, weights, spec, lambda f, m, n=handle.name: report(n, f, m), validate)
+            made.append(replace(handle, runner=runner, refit=runner, broken=None, failures=0))
+    except BaseException:
+        for h in made:
+            h.runner.close()
+        raise
+    out = ComponentEngines(engines.component, made, engines.fallback_allowed, engines.prefer_precision)
+    out.model = engines.model
+    return out
 
 
 def _closed(wrapper) -> bool:

@@ -71,7 +71,9 @@ class SdAccelUnet(sd_unet.SdUnet):
             wid = self.controller.wanted_weights()
             engines, reason = self.controller.engines_or_reason(wid)
             if engines is None and reason is None:
-                reason = self._no_engines_reason(wid)
+                engines, why = self._refitted()
+                if engines is None:
+                    reason = self._no_engines_reason(wid, why)
         if engines is None:
             self._count_torch(reason)
             return self._torch(x, timesteps, context, args, kwargs)
@@ -100,8 +102,20 @@ class SdAccelUnet(sd_unet.SdUnet):
                     f"{getattr(loaded, 'title', '?')}; pick 'Automatic' or build engines for it")
         return None
 
-    def _no_engines_reason(self, wid: str) -> str:
-        return (f"no engine for {self.option.title} with {self.controller.describe_job()} "
+    def _refitted(self):
+        """The checkpoint's engines refitted for the job's LoRAs (A1111's Lora extension merges
+        them into the UNet first), or (None, why not)."""
+        from sd_accel.webui.lora import a1111_merge
+
+        loras = self.controller.job.loras
+        if not loras:
+            return None, None
+        unet = host.loaded_unet()
+        return self.controller.lora_engines(self.option.ckpt_hash, loras, unet, a1111_merge(unet, loras))
+
+    def _no_engines_reason(self, wid: str, why: str | None = None) -> str:
+        because = f": {why}" if why else ""
+        return (f"no engine for {self.option.title} with {self.controller.describe_job()}{because} "
                 "(build one in the sd-accel tab while these LoRAs are applied)")
 
     def _count_torch(self, reason: str) -> None:

@@ -28,6 +28,7 @@ OPT_PRESET = "sd_accel_default_preset"
 OPT_BACKEND = "sd_accel_backend"
 OPT_FORGE = "sd_accel_forge_enabled"
 OPT_VAE_CLIP = "sd_accel_vae_clip_enabled"
+OPT_LORA_REFITS = "sd_accel_lora_refits"
 
 def webui_backend(name: str, cache_root=None):
     """The runtime backend for ``name`` in the WebUI: ``auto`` on a WebUI that computes on the
@@ -52,6 +53,7 @@ class Job:
     torch_only: str | None = None  # why the whole job runs in PyTorch (hypernetworks ...)
     notes: list[str] = field(default_factory=list)
     used: set = field(default_factory=set)  # weights ids whose engines served this job
+    lora_line: str | None = None  # which LoRAs the UNet's engine carries (a refit), for the report
 
 
 class Controller:
@@ -64,6 +66,9 @@ class Controller:
         self._backend: dict[tuple, Any] = {}
         self._said: set[str] = set()
         self.job = Job()
+        from sd_accel.webui.lora import LoraRefits
+
+        self.refits = LoraRefits()
 
     # ---- settings
 
@@ -84,6 +89,15 @@ class Controller:
 
     def vae_clip_enabled(self) -> bool:
         return bool(host.opt(OPT_VAE_CLIP, True))
+
+    def lora_refits_kept(self) -> int:
+        """LoRA sets kept refitted per checkpoint (0: no refits; a LoRA set needs its own engine)."""
+        from sd_accel.webui.lora import DEFAULT_KEPT
+
+        try:
+            return max(0, int(host.opt(OPT_LORA_REFITS, DEFAULT_KEPT)))
+        except (TypeError, ValueError):
+            return DEFAULT_KEPT
 
     def preset_for(self, family: str) -> str:
         """The settings' default preset, or the family's default (SDXL static 1024 ...)."""
@@ -125,12 +139,16 @@ class Controller:
             for engines in self.loaded():
                 engines.close()
             self._engines.clear()
+            self.refits.close()
 
     def loaded(self, component: str | None = COMPONENT) -> list:
         """The engines loaded now, one entry per weights id (the running job's counters are on
         them): the UNet's (:class:`LdmEngines`) by default, another component's, or all (None)."""
         with self._lock:
-            return [e for k, e in self._engines.items() if e is not None and component in (None, k[1])]
+            found = [e for k, e in self._engines.items() if e is not None and component in (None, k[1])]
+            if component in (None, COMPONENT):
+                found.extend(self.refits.engines())
+            return found
 
     def engines_for(self, wid: str, component: str = COMPONENT):
         """Usable engines of weights id ``wid`` for ``component`` on the runtime backend, or None.
@@ -156,6 +174,56 @@ class Controller:
             if engines is not None and unet:
                 engines.set_fallback(self.fallback())  # the settings page may have changed it
             return engines
+
+    def lora_engines(self, ckpt: str, loras, unet, merge=None) -> tuple[Any, str | None]:
+        """The checkpoint's UNet engines refitted to carry ``loras`` (:mod:`sd_accel.webui.lora`),
+        or (None, why not); (None, None) when the checkpoint has no engine at all. ``unet``: the
+        torch UNet, whose weights carry the LoRAs once ``merge()`` (None: already) returns None.
+        Never raises (it runs inside a UNet call); a failed refit is not tried again for the set."""
+        from sd_accel.refit import needs_rebuild
+        from sd_accel.webui.lora import lora_text, refit_for
+
+        if not loras:
+            return None, None
+        keep = self.lora_refits_kept()
+        if keep <= 0:
+            return None, f"refits are off (settings: {OPT_LORA_REFITS} = 0)"
+        base, reason = self.engines_or_reason(f"ckpt-{ckpt}")
+        if base is None:
+            return None, reason
+        usable = [h for h in base.handles if h.broken is None]
+        refused = [why for why in map(needs_rebuild, usable) if why]
+        if len(refused) == len(usable):  # INT8 only: its weights were quantized with calibrated scales
+            return None, "; ".join(refused) or "the checkpoint's engines are set aside"
+        with self._lock:
+            where = (ckpt, self.backend_name(), str(self.cache().root), self._generation)
+            refit = self.refits.get(where, loras)
+            made_now = refit is None
+            if refit is None:
+                failed = self.refits.failed(where, loras)
+                if failed:
+                    return None, failed
+                why = merge() if merge is not None else None
+                if why:  # not remembered: a LoRA file added, a set merged later, may change it
+                    return None, why
+                from sd_accel.webui.console import say
+
+                say(f"refitting the engine of {ckpt} for {lora_text(loras)} (LoRAs on the engine without a "
+                    "rebuild; the base engine stays as it is)")
+                for why in refused:  # the others carry the LoRAs; these are left out
+                    say(f"not refitting {why}")
+                try:
+                    refit = refit_for(base, loras, ckpt, unet)
+                except Exception as exc:  # never stop the image: PyTorch, and say why once
+                    why = f"the refit for {lora_text(loras)} failed: {type(exc).__name__}: {exc}"
+                    self.refits.fail(where, loras, why)
+                    log.warning("sd-accel: %s", why)
+                    return None, why
+                self.refits.add(where, refit, keep)
+            refit.engines.set_fallback(self.fallback())
+            if self.job.lora_line is None or made_now:
+                self.job.lora_line = refit.line(made_now)
+            return refit.engines, None
 
     def engines_or_reason(self, wid: str | None, component: str = COMPONENT) -> tuple[Any, str | None]:
         """(engines, None), or (None, why not): never raises, for use inside a model call."""
@@ -261,6 +329,8 @@ class Controller:
             lines.append(line)
         if not lines:
             return None
+        if self.job.lora_line:
+            lines.insert(1 if lines else 0, f"sd-accel: {self.job.lora_line}")
         lines.extend(f"sd-accel: {note}" for note in self.job.notes)
         text = "\n".join(lines)
         say(text)

@@ -18,6 +18,7 @@ as usual and a call no engine covers runs at once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -38,14 +39,34 @@ class EngineDiffusionModel(ProxyModule):
 
     _proxied = "torch_unet"
 
-    def __init__(self, torch_unet: torch.nn.Module, engines: LdmEngines) -> None:
+    def __init__(self, torch_unet: torch.nn.Module, engines: LdmEngines | None,
+                 resolve: Callable[[], tuple[LdmEngines | None, str | None]] | None = None,
+                 base: LdmEngines | None = None) -> None:
         super().__init__()
         self.torch_unet = torch_unet
         self.engines = engines
+        # engines None: ``resolve()`` gives them at the first call (a LoRA refit, once Forge has
+        # merged the LoRAs into the weights), or why not; ``base`` then counts the PyTorch calls.
+        self.__dict__["_resolve"] = resolve
+        self.__dict__["_base"] = base
+        self.__dict__["_why"] = None
+
+    def _engines(self) -> LdmEngines | None:
+        if self.engines is None and self.__dict__["_why"] is None and self.__dict__["_resolve"] is not None:
+            engines, why = self.__dict__["_resolve"]()
+            if engines is None:
+                self.__dict__["_why"] = why or "no engine for these LoRAs"
+            else:
+                self.engines = engines
+        return self.engines
 
     def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options=None, **kwargs):
         options = transformer_options if transformer_options is not None else {}
         reason = _torch_reason(control, options, kwargs)
+        engines = self._engines() if reason is None else (self.engines or self.__dict__["_base"])
+        if engines is None:
+            engines = self.__dict__["_base"]
+            reason = reason or self.__dict__["_why"]
 
         def torch_part(part: slice | None) -> torch.Tensor:
             if part is None:
@@ -56,9 +77,10 @@ class EngineDiffusionModel(ProxyModule):
                                    transformer_options=options, **kwargs)
 
         if reason is not None:
-            self.engines.torch_call(reason)
+            if engines is not None:
+                engines.torch_call(reason)
             return torch_part(None)
-        return self.engines(x, timesteps, context, y, torch_part)
+        return engines(x, timesteps, context, y, torch_part)
 
 
 def _torch_reason(control, options: dict, kwargs: dict) -> str | None:
@@ -72,6 +94,25 @@ def _torch_reason(control, options: dict, kwargs: dict) -> str | None:
     if extra:
         return f"arguments the engine was not built for: {', '.join(extra)}"
     return None
+
+
+def _refit_refused(ctl: Controller, ckpt: str, loras, patcher) -> str | None:
+    """Why this job's LoRAs cannot be carried by a refit of the checkpoint's engine (checked
+    before sampling; whether Forge merged them is checked at the first call), or None."""
+    from sd_accel.refit import needs_rebuild
+
+    if not loras:
+        return ""  # no LoRA, and no engine for the checkpoint's own weights: nothing to refit
+    if ctl.lora_refits_kept() <= 0:
+        return "refits are off in the settings"
+    base, reason = ctl.engines_or_reason(weights_id(ckpt))
+    if base is None:
+        return reason or "the checkpoint has no engine"
+    usable = [h for h in base.handles if h.broken is None]
+    refused = [why for why in map(needs_rebuild, usable) if why]
+    if len(refused) == len(usable):  # INT8 only (a mix: the others are refitted)
+        return "; ".join(refused) or "the checkpoint's engines are set aside"
+    return host.forge_lora_state(patcher, merged=False)  # Forge merges them when sampling starts
 
 
 def patch_for_sampling(p, ctl: Controller | None = None) -> bool:
@@ -98,15 +139,30 @@ def patch_for_sampling(p, ctl: Controller | None = None) -> bool:
     if reason is not None:
         ctl.note(f"the UNet runs in PyTorch: {reason}")
         return False
-    if engines is None:
-        if ctl.records_for_checkpoint(ckpt):  # engines exist, just not for these LoRAs
-            ctl.note(f"no engine for this checkpoint with {describe(loras)}; the UNet runs in PyTorch "
-                     "(build one in the sd-accel tab)")
-        return False
+    resolve = base = None
     unet = patcher.clone()
     torch_unet = unet.model.diffusion_model
     torch_unet = getattr(torch_unet, "torch_unet", torch_unet)  # a pass before left ours in place
-    unet.add_object_patch(OBJECT_PATCH, EngineDiffusionModel(torch_unet, engines))
+    if engines is None:
+        why = _refit_refused(ctl, ckpt, loras, patcher)
+        if why is not None:
+            if ctl.records_for_checkpoint(ckpt):  # engines exist, just not for these LoRAs
+                because = f": {why}" if why else ""
+                ctl.note(f"no engine for this checkpoint with {describe(loras)}{because}; the UNet runs in "
+                         "PyTorch (build one in the sd-accel tab while these LoRAs are applied)")
+            return False
+        from sd_accel.webui.lora import forge_merge
+
+        base, _ = ctl.engines_or_reason(weights_id(ckpt))
+
+        def resolve():
+            found, why = ctl.lora_engines(ckpt, loras, torch_unet, forge_merge(patcher))
+            if found is None and why:
+                ctl.note(f"no engine for this checkpoint with {describe(loras)}: {why}; the UNet runs in "
+                         "PyTorch (build one in the sd-accel tab while these LoRAs are applied)")
+            return found, why
+
+    unet.add_object_patch(OBJECT_PATCH, EngineDiffusionModel(torch_unet, engines, resolve, base))
     p.sd_model.forge_objects.unet = unet
     ctl.job.used.add(wid)
     return True

@@ -213,3 +213,58 @@ def additional_modules() -> tuple[str, ...]:
     except (ImportError, AttributeError):
         return ()
     return tuple(str(m) for m in (params or {}).get("additional_modules") or ())
+
+
+# Layer types whose ``forward`` A1111's Lora extension patches to merge LoRA weights in place.
+_LORA_LAYERS = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.MultiheadAttention)
+
+
+def a1111_networks():
+    """A1111's built-in Lora extension (``extensions-builtin/Lora/networks.py``, imported as
+    ``networks``) when it is loaded and merges weights in place (1.5+), else None."""
+    import sys
+
+    networks = sys.modules.get("networks")
+    if networks is None or not callable(getattr(networks, "network_apply_weights", None)):
+        return None
+    if not isinstance(getattr(networks, "loaded_networks", None), list):
+        return None
+    return networks
+
+
+def apply_a1111_loras(module: torch.nn.Module) -> int:
+    """Make ``module``'s layers carry the LoRAs A1111 has loaded for this job
+    (``networks.loaded_networks``), as their patched ``forward`` would on the first PyTorch call:
+    ``networks.network_apply_weights`` on each layer A1111 named (``network_layer_name``). It
+    keeps its own backups (and restores them when the set changes). Returns the layers visited;
+    raises :class:`NoModel` without the Lora extension."""
+    networks = a1111_networks()
+    if networks is None:
+        raise NoModel("A1111's built-in Lora extension (networks.network_apply_weights) is not loaded")
+    count = 0
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, _LORA_LAYERS) and getattr(layer, "network_layer_name", None) is not None:
+                networks.network_apply_weights(layer)
+                count += 1
+    return count
+
+
+def forge_lora_state(patcher, merged: bool = True) -> str | None:
+    """Why the weights of Forge's UNet do not carry the patcher's LoRA patches now, or None when
+    they do: Forge 2 merges them when it loads the UNet for sampling (``LoraLoader.refresh``,
+    ``loaded_hash`` = the patches' keys); "online" LoRAs are computed in each forward instead,
+    and Forge 1's patcher (``patches``, no ``lora_patches``) is not read. ``merged`` False: only
+    whether they can be (before sampling, when Forge has not loaded the UNet yet)."""
+    lora_patches = getattr(patcher, "lora_patches", None)
+    if not isinstance(lora_patches, dict):
+        return "this Forge keeps LoRA patches that sd-accel cannot read as merged weights (Forge 1.x)"
+    if any(isinstance(k, tuple) and len(k) > 3 and k[3] for k in lora_patches):
+        return "LoRAs applied online (Forge computes them in each forward) are not in the weights"
+    if not merged:
+        return None
+    loader = getattr(getattr(patcher, "model", None), "lora_loader", None)
+    loaded = getattr(loader, "loaded_hash", None)
+    if loaded != str(list(lora_patches.keys())):
+        return "Forge has not merged these LoRA patches into the UNet's weights"
+    return None

@@ -108,20 +108,50 @@ def job_loras(extra_network_data: dict | None, part: str = "unet") -> tuple[Lora
 
 def forge_loras(patcher: Any) -> LoraSet:
     """LoRAs a Forge UNet patcher carries (``lora_patches`` keys: file, strength_patch,
-    strength_model, online); a Forge 1 patcher with anonymous ``patches`` gets one opaque entry."""
+    strength_model, online); a Forge 1 patcher with anonymous ``patches`` gets one opaque entry.
+
+    Forge's LoRA extension passes the tag's strength as ``strength_patch`` (the delta's scale;
+    ``strength_model``, which scales the base weight, stays 1.0): that is the strength. A
+    ``strength_model`` other than 1 goes into the name (``film*0.5``): another weight."""
     lora_patches = getattr(patcher, "lora_patches", None)
     if isinstance(lora_patches, dict):
         entries = []
         for key in lora_patches:
             key = key if isinstance(key, tuple) else (key,)
-            strength = key[2] if len(key) > 2 else (key[1] if len(key) > 1 else 1.0)
-            entries.append(_entry(Path(str(key[0])).stem, strength, None))
+            strength = key[1] if len(key) > 1 else 1.0
+            model_strength = float(key[2]) if len(key) > 2 else 1.0
+            name = Path(str(key[0])).stem
+            entries.append(_entry(name if model_strength == 1.0 else f"{name}*{model_strength:g}", strength, None))
         return _sorted(entries)
     patches = getattr(patcher, "patches", None)
     if isinstance(patches, dict) and patches:
-        digest = hashlib.sha256("\n".join(sorted(map(str, patches))).encode()).hexdigest()[:8]
-        return (("patched-" + digest, 1.0, None),)
+        return (("patched-" + _patches_digest(patches), 1.0, None),)
     return ()
+
+
+def _patches_digest(patches: dict) -> str:
+    """8 hex over a Forge 1 patcher's ``patches`` (layer key -> [(strength_patch, value,
+    strength_model), ...]): the keys, the strengths, and each patch tensor's shape and first
+    values. The keys alone are the same for most LoRAs (they patch the same attention layers):
+    an engine built with one LoRA would have served another, or another strength."""
+    h = hashlib.sha256()
+    for key in sorted(patches, key=str):
+        h.update(f"{key}\n".encode())
+        for entry in patches[key] if isinstance(patches[key], (list, tuple)) else [patches[key]]:
+            parts = entry if isinstance(entry, tuple) else (entry,)
+            h.update(repr([p for p in parts if isinstance(p, (int, float, str))]).encode())
+            for t in _tensors(parts):
+                h.update(f"{tuple(t.shape)}".encode())
+                h.update(t.detach().reshape(-1)[:16].to("cpu", torch.float32).numpy().tobytes())
+    return h.hexdigest()[:8]
+
+
+def _tensors(value) -> list:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def weights_id(ckpt_hash: str, loras: LoraSet = ()) -> str:

@@ -46,6 +46,11 @@ class LdmEngines:
         return self._any.handles
 
     @property
+    def component_engines(self) -> ComponentEngines:
+        """All of them, as the runtime's :class:`ComponentEngines` (what a refit starts from)."""
+        return self._any
+
+    @property
     def stats(self) -> ComponentStats:
         """This job's counters: engine calls, torch calls and why."""
         return self._any.stats

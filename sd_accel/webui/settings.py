@@ -11,9 +11,11 @@ from sd_accel.webui.controller import (
     OPT_ENGINE_DIR,
     OPT_FALLBACK,
     OPT_FORGE,
+    OPT_LORA_REFITS,
     OPT_PRESET,
     OPT_VAE_CLIP,
 )
+from sd_accel.webui.lora import DEFAULT_KEPT
 
 SECTION = ("sd_accel", "sd-accel")
 
@@ -30,6 +32,10 @@ def on_ui_settings() -> None:
                                   "stops the job with the reason)", section=SECTION)),
         (OPT_VAE_CLIP, info(True, "Use engines for the VAE and the CLIP text encoder where they cover the call",
                             section=SECTION)),
+        (OPT_LORA_REFITS, info(DEFAULT_KEPT, "LoRA sets kept refitted per checkpoint: a job's LoRAs are refitted "
+                                             "into the checkpoint's engine instead of needing an engine per LoRA "
+                                             "set; each kept set holds one more engine in memory (0: off)",
+                               gr.Slider, {"minimum": 0, "maximum": 8, "step": 1}, section=SECTION)),
         (OPT_PRESET, info(AUTO_PRESET, "Default engine preset (tab and API)", gr.Dropdown,
                           {"choices": [AUTO_PRESET, *PRESETS]}, section=SECTION)),
         (OPT_BACKEND, info("auto", "Engine backend (auto: TensorRT on NVIDIA GPUs where it imports, "

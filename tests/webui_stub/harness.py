@@ -20,10 +20,14 @@ STUB = Path(__file__).resolve().parent
 FORGE = STUB / "forge"
 REPO = STUB.parents[1]
 EXTENSION = REPO / "extension"
-_PREFIXES = ("modules", "ldm", "backend", "modules_forge", "launch", "sd_accel.webui", "sd_accel_webui.py")
+_PREFIXES = ("modules", "ldm", "backend", "modules_forge", "launch", "sd_accel.webui", "sd_accel_webui.py",
+             "networks")
 
 
 def purge() -> None:
+    networks = sys.modules.get("networks")
+    if networks is not None and hasattr(networks, "uninstall"):
+        networks.uninstall()  # torch's layer forwards back as they were
     for name in list(sys.modules):
         if any(name == p or name.startswith(p + ".") for p in _PREFIXES):
             del sys.modules[name]
@@ -70,11 +74,14 @@ def make_checkpoint(folder: Path, name: str, family: str = "sd15", seed: int = 0
 
 
 def start(tmp: Path, forge: bool = False, argv: tuple[str, ...] = ("--api",), family: str = "sd15",
-          engine_dir: Path | None = None, options: dict | None = None, load: bool = True) -> WebUI:
+          engine_dir: Path | None = None, options: dict | None = None, load: bool = True,
+          loras: dict[str, int] | None = None) -> WebUI:
     """The stub WebUI with the extension loaded and a tiny checkpoint of ``family`` registered,
     started as ``webui.py`` does: the checkpoint loaded at start unless ``load`` is False
     (``--skip-load-model-at-start``; Forge 2 never loads at start), the UI created, the WebUI's API
-    added with ``--api`` / ``--nowebui``, then ``app_started_callback``."""
+    added with ``--api`` / ``--nowebui``, then ``app_started_callback``. ``loras`` (name -> seed):
+    A1111's built-in Lora extension loaded with those stub LoRA files (its layer ``forward``
+    patches are undone by :func:`purge`)."""
     from fastapi import FastAPI
 
     purge()
@@ -92,6 +99,11 @@ def start(tmp: Path, forge: bool = False, argv: tuple[str, ...] = ("--api",), fa
     sd_unet = importlib.import_module("modules.sd_unet")
     ui = importlib.import_module("modules.ui")
 
+    if loras is not None and not forge:
+        networks = importlib.import_module("networks")
+        networks.available_networks.update(loras)
+        networks.install()
+        importlib.import_module("modules.extra_networks").register_extra_network(networks.ExtraNetworkLora())
     scripts.load_scripts([str(EXTENSION)])
     scripts.scripts_txt2img.initialize_scripts(is_img2img=False)
     shared.opts.data["sd_accel_engine_dir"] = str(engine_dir or tmp / "engines")

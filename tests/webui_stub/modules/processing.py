@@ -1,7 +1,8 @@
 """``modules/processing.py``: a txt2img job through the hooks, in the WebUI's order.
 
 ``process_images`` follows ``process_images_inner``: ``scripts.process`` -> ``sd_unet.apply_unet``
--> per batch: extra networks parsed and activated, ``scripts.process_batch``, sampling (hires
+-> per batch: extra networks parsed and activated (``extra_networks.activate``: A1111's Lora
+loads the job's LoRAs; Forge: ``backend.loader.apply_loras``), ``scripts.process_batch``, sampling (hires
 fix: ``scripts.before_hr``, a second pass at the larger size) -> ``scripts.postprocess``. On Forge
 each pass is preceded by ``scripts.process_before_every_sampling`` and samples through the UNet
 patcher (``backend.sampling``).
@@ -181,6 +182,8 @@ def process_images(p):
             from backend.loader import apply_loras
 
             apply_loras(p)
+        elif not p.disable_extra_networks:
+            extra_networks.activate(p, p.extra_network_data)
         if p.scripts is not None:
             p.scripts.process_batch(p, batch_number=n, prompts=p.prompts, seeds=[p.seed] * p.batch_size)
         cond = p.sd_model.get_learned_conditioning(p.prompts)

@@ -95,8 +95,29 @@ def forge_loader(checkpoint_info):
     return ForgeDiffusionEngine(model_from_file(checkpoint_info.filename, checkpoint_info), checkpoint_info)
 
 
+LORA_RANK = 2
+
+
+def lora_patches(model: torch.nn.Module, filename: str) -> dict:
+    """A stub LoRA file's UNet patches: rank-2 deltas for every linear weight of ``model`` (a
+    ``KModel``, keys as Forge's: ``diffusion_model....weight``), drawn from the file name."""
+    import zlib
+
+    g = torch.Generator().manual_seed(zlib.crc32(filename.encode()))
+    patches = {}
+    for name, module in sorted(model.named_modules()):
+        if type(module).__name__ == "Linear" and getattr(module, "weight", None) is not None:
+            out_f, in_f = module.weight.shape
+            up = torch.randn(out_f, LORA_RANK, generator=g) * 1.0
+            down = torch.randn(LORA_RANK, in_f, generator=g) * 1.0
+            patches[f"{name}.weight"] = [(1.0, ("lora", (up, down, float(LORA_RANK), None, None)), 1.0, None, None)]
+    return patches
+
+
 def apply_loras(p):
-    """Forge's LoRA activation: a patcher clone carrying the job's LoRAs (weights untouched here)."""
+    """Forge's LoRA activation (``sd_forge_lora``'s ``load_lora_for_models``): a patcher clone
+    carrying the job's LoRA patches; the weights are untouched until Forge loads the UNet for
+    sampling (``UnetPatcher.refresh_loras``). The CLIP's patches are left empty here."""
     model = p.sd_model
     model.forge_objects = model.forge_objects_original.shallow_copy()
     loras = (p.extra_network_data or {}).get("lora", [])
@@ -105,8 +126,9 @@ def apply_loras(p):
         clip = model.forge_objects.clip.clone() if model.forge_objects.clip is not None else None
         for params in loras:
             strength = float(params.positional[1]) if len(params.positional) > 1 else 1.0
-            unet.add_patches(filename=f"/models/Lora/{params.positional[0]}.safetensors", patches={},
-                             strength_patch=strength, strength_model=strength)
+            filename = f"/models/Lora/{params.positional[0]}.safetensors"
+            unet.add_patches(filename=filename, patches=lora_patches(unet.model, filename),
+                             strength_patch=strength, strength_model=1.0)
             if clip is not None:
                 clip.patcher.add_patches(filename=f"/models/Lora/{params.positional[0]}.safetensors", patches={},
                                          strength_patch=strength, strength_model=strength)

@@ -14,6 +14,11 @@ class ModelPatcher:
         self.object_patches = {}
         self.object_patches_backup = {}
         self.lora_patches = {}
+        if not hasattr(model, "lora_loader"):
+            from backend.patcher.lora import LoraLoader
+
+            model.lora_loader = LoraLoader(model)
+        self.lora_loader = model.lora_loader
 
     def clone(self):
         n = type(self).__new__(type(self))
@@ -23,6 +28,7 @@ class ModelPatcher:
         n.object_patches = self.object_patches.copy()
         n.object_patches_backup = {}
         n.lora_patches = self.lora_patches.copy()
+        n.lora_loader = self.lora_loader
         return n
 
     def add_object_patch(self, name, obj):
@@ -34,6 +40,13 @@ class ModelPatcher:
     def add_patches(self, *, filename, patches, strength_patch=1.0, strength_model=1.0, online_mode=False):
         lora_identifier = (filename, strength_patch, strength_model, online_mode)
         self.lora_patches[lora_identifier] = patches
+
+    def has_online_lora(self):
+        return any(online for (_, _, _, online) in self.lora_patches)
+
+    def refresh_loras(self):
+        """Forge 2's ``LoadedModel.model_load`` calls this: the LoRA patches merged into the weights."""
+        self.lora_loader.refresh(lora_patches=self.lora_patches, offload_device=self.offload_device or "cpu")
 
     def patch_model(self):
         """Object patches in place (Forge does this when it loads the model for sampling)."""

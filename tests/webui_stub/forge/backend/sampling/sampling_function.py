@@ -59,10 +59,11 @@ def _as_dict(cond):
 
 
 def sample_forge(p, x, steps, cond, uncond):
-    """Euler over sigmas with Forge's sampling function; the patcher's patches are applied
-    for the duration, as Forge's model loading does."""
+    """Euler over sigmas with Forge's sampling function; the patcher's object patches are applied
+    for the duration and its LoRA patches merged into the weights, as Forge's model loading does."""
     unet = p.sd_model.forge_objects.unet
     model = unet.patch_model()
+    unet.refresh_loras()  # what Forge's memory management does when it loads the UNet
     try:
         sigmas = torch.linspace(2.0, 0.0, steps + 1)
         for i in range(steps):
