@@ -203,3 +203,32 @@ def test_forge1_patches_id_tells_loras_and_strengths_apart():
     assert forge_loras(a)[0][0].startswith("patched-")
     assert len({forge_loras(a), forge_loras(a_half), forge_loras(b)}) == 3
     assert forge_loras(SimpleNamespace(patches={})) == ()
+
+
+def test_forge_keeps_lora_keys_while_the_stand_in_is_patched_in(tmp_path):
+    """Real Forge leaves the object patch in place after sampling (until it unloads the model) and
+    matches the next job's LoRA keys against ``named_parameters``: the stand-in must show the
+    UNet's own names, or every LoRA key is skipped and the UNet runs without the LoRA."""
+    webui = harness.start(tmp_path, forge=True, options=EXACT)
+    webui.txt2img(prompt="a cat", steps=1)  # Forge 2 loads the checkpoint when it generates
+    from backend.loader import lora_patches
+
+    from sd_accel.webui.forge import EngineDiffusionModel
+
+    patcher = webui.shared.sd_model.forge_objects.unet
+    kmodel = patcher.model
+    names = [k for k, _ in kmodel.named_parameters()]
+    keys = list(kmodel.state_dict())
+    torch_unet = kmodel.diffusion_model
+    kmodel.diffusion_model = EngineDiffusionModel(torch_unet, None)  # as a finished job leaves it
+    assert [k for k, _ in kmodel.named_parameters()] == names and list(kmodel.state_dict()) == keys
+    assert kmodel.diffusion_model.torch_unet is torch_unet
+    assert kmodel.diffusion_model.model_channels == torch_unet.model_channels
+    clone = patcher.clone()
+    patches = lora_patches(kmodel, "/models/Lora/film.safetensors")
+    assert len(clone.add_patches(filename="film", patches=patches, strength_patch=0.8)) == len(patches) > 0
+    key = next(iter(patches))
+    before = kmodel.get_parameter(key).clone()
+    clone.refresh_loras()  # Forge merges by those names, through the stand-in, into the UNet's weights
+    parent, _, child = key.rpartition(".")
+    assert not torch.equal(getattr(torch_unet.get_submodule(parent.removeprefix("diffusion_model.")), child), before)

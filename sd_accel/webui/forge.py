@@ -35,7 +35,14 @@ OBJECT_PATCH = "diffusion_model"
 
 class EngineDiffusionModel(ProxyModule):
     """Forge's ``diffusion_model`` during sampling: engines where they cover, torch elsewhere.
-    Forge and other extensions read attributes of the UNet (dtype, model_channels ...): proxied."""
+    Forge and other extensions read attributes of the UNet (dtype, model_channels ...): proxied.
+
+    Forge leaves the patch in place after sampling (until it unloads the model), and matches
+    the next job's LoRA keys against the model's parameter names (``add_patches``:
+    ``diffusion_model.input_blocks...``), then merges them by those names. So the stand-in has
+    the torch UNet's submodules, parameters and buffers as its own (the same dicts), never
+    under a ``torch_unet.`` prefix: with it, Forge skipped every LoRA key ("Mismatch ... 128 keys
+    mismatched in 0 keys") and the UNet silently ran without the job's LoRAs."""
 
     _proxied = "torch_unet"
 
@@ -43,13 +50,22 @@ class EngineDiffusionModel(ProxyModule):
                  resolve: Callable[[], tuple[LdmEngines | None, str | None]] | None = None,
                  base: LdmEngines | None = None) -> None:
         super().__init__()
-        self.torch_unet = torch_unet
+        object.__setattr__(self, "torch_unet", torch_unet)  # not a submodule: see the docstring
+        self.__dict__["_modules"] = torch_unet._modules
+        self.__dict__["_parameters"] = torch_unet._parameters
+        self.__dict__["_buffers"] = torch_unet._buffers
         self.engines = engines
         # engines None: ``resolve()`` gives them at the first call (a LoRA refit, once Forge has
         # merged the LoRAs into the weights), or why not; ``base`` then counts the PyTorch calls.
         self.__dict__["_resolve"] = resolve
         self.__dict__["_base"] = base
         self.__dict__["_why"] = None
+
+    def __getattr__(self, name: str):
+        try:
+            return torch.nn.Module.__getattr__(self, name)
+        except AttributeError:
+            return getattr(self.__dict__["torch_unet"], name)
 
     def _engines(self) -> LdmEngines | None:
         if self.engines is None and self.__dict__["_why"] is None and self.__dict__["_resolve"] is not None:
@@ -66,7 +82,7 @@ class EngineDiffusionModel(ProxyModule):
         engines = self._engines() if reason is None else (self.engines or self.__dict__["_base"])
         if engines is None:
             engines = self.__dict__["_base"]
-            reason = reason or self.__dict__["_why"]
+            reason = reason or self.__dict__["_why"] or "no engine for these weights"
 
         def torch_part(part: slice | None) -> torch.Tensor:
             if part is None:
