@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         report["total_s"] = round(time.perf_counter() - start, 1)
         out = Path(args.out or work.parent) / f"refit-report-{args.backend}-{args.size}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1, default=str))
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
