@@ -154,12 +154,18 @@ def gather_external_data(model: onnx.ModelProto, src_dir: Path, dst: Path) -> No
                 blob = tensor.raw_data
             else:
                 continue
-            if len(blob) >= _ALIGN_FROM and out.tell() % _ALIGNMENT:
-                out.write(b"\0" * (_ALIGNMENT - out.tell() % _ALIGNMENT))
-            offset = out.tell()
-            out.write(blob)
-            _point_to(tensor, data_name, offset, len(blob))
+            append_tensor(out, tensor, blob, data_name)
     onnx.save_model(model, str(dst))
+
+
+def append_tensor(out, tensor: onnx.TensorProto, blob: bytes, data_name: str) -> None:
+    """Write ``blob`` at the end of the open data file ``out`` (big ones on a 64 KiB boundary) and
+    point ``tensor`` at it."""
+    if len(blob) >= _ALIGN_FROM and out.tell() % _ALIGNMENT:
+        out.write(b"\0" * (_ALIGNMENT - out.tell() % _ALIGNMENT))
+    offset = out.tell()
+    out.write(blob)
+    _point_to(tensor, data_name, offset, len(blob))
 
 
 def _all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:

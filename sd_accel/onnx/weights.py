@@ -29,14 +29,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from sd_accel.core import EngineError
-from sd_accel.onnx.optimize import (
-    _ALIGN_FROM,
-    _ALIGNMENT,
-    _MIN_EXTERNAL_BYTES,
-    DATA_SUFFIX,
-    _point_to,
-    _read_external,
-)
+from sd_accel.onnx.optimize import _MIN_EXTERNAL_BYTES, DATA_SUFFIX, _read_external, append_tensor
 
 log = logging.getLogger("sd_accel")
 
@@ -299,11 +292,7 @@ def write_full(folder: Path, weights: dict[str, torch.Tensor], dest: Path, model
                 blob = init.raw_data
             else:
                 continue
-            if len(blob) >= _ALIGN_FROM and out.tell() % _ALIGNMENT:
-                out.write(b"\0" * (_ALIGNMENT - out.tell() % _ALIGNMENT))
-            offset = out.tell()
-            out.write(blob)
-            _point_to(init, data_name, offset, len(blob))
+            append_tensor(out, init, blob, data_name)
             del blob
     onnx.save_model(model, str(dest / model_file))
     return dest / model_file, written
