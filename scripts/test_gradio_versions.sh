@@ -30,6 +30,9 @@ ensure_venv() {  # version venv requirements...
   local version=$1 venv=$2; shift 2
   if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import gradio, sys; sys.exit(gradio.__version__ != '$version')" 2>/dev/null; then
     echo "gradio $version: reusing $venv"
+    # The venvs are shared by checkouts: point this one at THIS checkout's project venv (a venv
+    # made from another clone, since removed, left pytest, torch ... unimportable).
+    echo "$MAIN_SITE" > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_main.pth"
     return
   fi
   echo "gradio $version: creating $venv"
