@@ -100,6 +100,15 @@ class CalibrationSet:
 # --------------------------------------------------------------------------- errors
 
 
+def peft_layer(module: object) -> bool:
+    """Whether ``module`` is a PEFT tuner layer (a LoRA-wrapped Linear/Conv), without importing
+    peft (it is optional): they all carry these. Here, not beside the weights code that uses it,
+    so that the runtime's per-call freshness check does not import onnx (the WebUI extension
+    imports the runtime in WebUIs whose numpy the installed onnx may not load)."""
+    return hasattr(module, "merged_adapters") and hasattr(module, "active_adapters") and hasattr(
+        module, "get_base_layer")
+
+
 class SdAccelError(Exception):
     """Base class of every error sd-accel raises. Messages say what was wrong and what to do."""
 

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from sd_accel.core import SPEC_VERSION, EngineError, InvalidValue
+from sd_accel.core import peft_layer as _peft_layer
 from sd_accel.onnx.weights import effective_weights, write_full
-from sd_accel.onnx.weights import peft_layer as _peft_layer
 from sd_accel.runtime.selection import REFIT_CLOSED
 
 log = logging.getLogger("sd_accel")

@@ -28,7 +28,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from sd_accel.core import EngineError
+from sd_accel.core import EngineError, peft_layer
 from sd_accel.onnx.optimize import _MIN_EXTERNAL_BYTES, DATA_SUFFIX, _read_external, append_tensor
 
 log = logging.getLogger("sd_accel")
@@ -37,13 +37,6 @@ WEIGHTS_FILE = "weights.json"
 
 
 # --------------------------------------------------------------------------- torch side
-
-
-def peft_layer(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a PEFT tuner layer (a LoRA-wrapped Linear/Conv), without importing
-    peft (it is optional): they all carry these."""
-    return hasattr(module, "merged_adapters") and hasattr(module, "active_adapters") and hasattr(
-        module, "get_base_layer")
 
 
 def effective_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

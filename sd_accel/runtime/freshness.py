@@ -39,7 +39,7 @@ import operator
 
 import torch
 
-from sd_accel.onnx.weights import peft_layer as _peft_layer
+from sd_accel.core import peft_layer as _peft_layer
 
 _PROBES = 4  # intervals per tensor: probes at 0, n/4, n/2, 3n/4 and the last element
 
