@@ -35,6 +35,9 @@ TRT_OBJECTS: dict[str, str] = {
     "_runtime": "Runtime",
     "engine": "ICudaEngine",
     "context": "IExecutionContext",
+    "runtime": "Runtime",
+    "refitter": "Refitter",
+    "prototype": "Weights",
 }
 
 # ---- used directly by builder.py / runner.py, on every version --------------------------------
@@ -74,6 +77,27 @@ BUILD: frozenset[str] = frozenset({
     "OnnxParserFlag.NATIVE_INSTANCENORM",
 })
 
+# ---- used directly by refit.py (engines refitted with new weights), on every version ----------
+
+# Signatures, from the TensorRT 10 Python API reference (Refitter, Weights):
+#   Refitter(engine: ICudaEngine, logger: ILogger); get_all_weights() -> List[str];
+#   get_weights_prototype(weights_name: str) -> Weights (its dtype and size: the count and type
+#   set_named_weights accepts); set_named_weights(name: str, weights: Weights) -> bool;
+#   get_missing_weights() -> List[str]; refit_cuda_engine() -> bool;
+#   Weights(a: numpy.ndarray) (no copy: the array must outlive the refit); .dtype, .size.
+REFIT: frozenset[str] = frozenset({
+    "Refitter",
+    "Refitter.get_all_weights",
+    "Refitter.get_weights_prototype",
+    "Refitter.set_named_weights",
+    "Refitter.get_missing_weights",
+    "Refitter.refit_cuda_engine",
+    "Weights",
+    "Weights.dtype",
+    "Weights.size",
+    "ICudaEngine.serialize",
+})
+
 # ---- touched by polygraphy because of the arguments the backend passes (see builder.py) ------
 
 POLYGRAPHY: frozenset[str] = frozenset({
@@ -103,6 +127,8 @@ POLYGRAPHY: frozenset[str] = frozenset({
     "ProfilingVerbosity.DETAILED",
     "IBuilderConfig.clear_flag",
     "BuilderFlag.TF32",  # polygraphy clears it unless tf32=True
+    "IBuilderConfig.set_flag",  # refittable=True
+    "BuilderFlag.REFIT",
     # engine_from_network(network, config=, save_timing_cache=), save_engine(engine, path)
     "Builder.build_serialized_network",
     "IBuilderConfig.get_timing_cache",
@@ -116,7 +142,7 @@ POLYGRAPHY: frozenset[str] = frozenset({
 
 # 10.x, fp16: an fp32 ONNX and the FP16 builder flag (polygraphy's CreateConfig(fp16=True)).
 # TensorRT 11 removed weak typing: these names are gone there.
-ONLY_10_FP16: frozenset[str] = frozenset({"BuilderFlag.FP16", "IBuilderConfig.set_flag"})
+ONLY_10_FP16: frozenset[str] = frozenset({"BuilderFlag.FP16"})
 # 11.x: strongly typed networks (polygraphy's network_from_onnx_path(strongly_typed=True));
 # precision comes from the ONNX dtypes (an fp16 ONNX for fp16 engines).
 ONLY_11: frozenset[str] = frozenset({"NetworkDefinitionCreationFlag.STRONGLY_TYPED"})
@@ -125,7 +151,7 @@ ONLY_11: frozenset[str] = frozenset({"NetworkDefinitionCreationFlag.STRONGLY_TYP
 def used_names(version: str, precision: str = "fp16") -> frozenset[str]:
     """The names the backend's code path for ``version`` and ``precision`` uses."""
     feats = features(version)
-    names = set(RUNTIME | BUILD | POLYGRAPHY)
+    names = set(RUNTIME | BUILD | REFIT | POLYGRAPHY)
     if feats.precision_flags and precision == "fp16":
         names |= ONLY_10_FP16
     if feats.strongly_typed_only:
@@ -135,7 +161,7 @@ def used_names(version: str, precision: str = "fp16") -> frozenset[str]:
 
 def declared_names() -> frozenset[str]:
     """Every name declared above, whatever the version."""
-    return RUNTIME | BUILD | POLYGRAPHY | ONLY_10_FP16 | ONLY_11
+    return RUNTIME | BUILD | REFIT | POLYGRAPHY | ONLY_10_FP16 | ONLY_11
 
 
 # ---- the real name lists -------------------------------------------------------------------------

@@ -10,10 +10,18 @@ and polygraphy's ``network_from_onnx_path`` / ``CreateConfig`` / ``engine_from_n
 every ``"Class.member"`` they touched.
 
 The stand-ins do what the tests need and no more: the ONNX parser reads the model's inputs (so
-polygraphy checks the optimization profile against the real input names), the builder returns a
-placeholder plan, and an engine deserialized from a JSON description (:func:`engine_plan`) runs
-on the CPU through raw tensor addresses, scaling one input per output, so the runner's shape,
-address, dtype and buffer handling run for real.
+polygraphy checks the optimization profile against the real input names), and the builder makes
+a plan that holds the ONNX graph's path, the profile's ranges, whether ``BuilderFlag.REFIT`` was
+set, and the weights TensorRT would name after the parser (every initializer, by its name, in
+its ONNX dtype; one weight per ``Constant`` / ``ConstantOfShape`` node). Deserialized, that
+engine computes the graph with onnxruntime on the CPU, with *its* weights in place of the
+graph's initializers, so a ``Refitter`` (same names, signatures and checks as TensorRT 10's:
+``get_all_weights``, ``get_weights_prototype``, ``set_named_weights`` refusing a wrong name,
+count or dtype, ``get_missing_weights``, ``refit_cuda_engine``; ``Weights`` over a numpy array,
+without a copy) changes what it computes. An engine deserialized from a JSON description
+(:func:`engine_plan`) runs on the CPU too, scaling one input per output. Both read and write
+their tensors through raw addresses, so the runner's shape, address, dtype and buffer handling
+run for real.
 
 Subclasses of TensorRT classes (``IProgressMonitor``, ``ILogger``) have each public method they
 define checked against the version's names: a misspelled override would never be called by
@@ -247,6 +255,7 @@ class FakeNetwork(FakeObject):
     def __init__(self, flags: int = 0) -> None:
         object.__setattr__(self, "_flags", flags)
         object.__setattr__(self, "_inputs", [])
+        object.__setattr__(self, "_onnx", None)  # the parsed model's path
 
     @property
     def num_inputs(self) -> int:
@@ -262,6 +271,45 @@ class FakeNetwork(FakeObject):
         return 0
 
 
+class FakeProfile(Value):
+    """``IOptimizationProfile``: keeps the ranges ``set_shape`` gives (the plan's input ranges)."""
+
+    __slots__ = ("_shapes",)
+
+    def __init__(self) -> None:
+        super().__init__("IOptimizationProfile", "Builder().create_optimization_profile()")
+        object.__setattr__(self, "_shapes", {})
+
+    def set_shape(self, name: str, lo, opt, hi) -> None:
+        _need("IOptimizationProfile", "set_shape")
+        self._shapes[name] = ([int(d) for d in lo], [int(d) for d in hi])
+
+
+class FakeConfig(Value):
+    """``IBuilderConfig``: keeps the builder flags set and the profiles added; anything else is a
+    plain :class:`Value` (properties set on it land in ``_set``)."""
+
+    __slots__ = ("_flags", "_profiles")
+
+    def __init__(self) -> None:
+        super().__init__("IBuilderConfig", "Builder().create_builder_config()")
+        object.__setattr__(self, "_flags", set())
+        object.__setattr__(self, "_profiles", [])
+
+    def set_flag(self, flag) -> None:
+        _need("IBuilderConfig", "set_flag")
+        self._flags.add(repr(flag))
+
+    def clear_flag(self, flag) -> None:
+        _need("IBuilderConfig", "clear_flag")
+        self._flags.discard(repr(flag))
+
+    def add_optimization_profile(self, profile) -> int:
+        _need("IBuilderConfig", "add_optimization_profile")
+        self._profiles.append(profile)
+        return len(self._profiles) - 1
+
+
 class FakeBuilder(FakeObject):
     _trt_type = "Builder"
     _dry = True
@@ -269,14 +317,15 @@ class FakeBuilder(FakeObject):
     def create_network(self, flags: int = 0) -> FakeNetwork:
         return FakeNetwork(flags)
 
-    def create_builder_config(self):
-        return Value("IBuilderConfig", "Builder().create_builder_config()")
+    def create_builder_config(self) -> FakeConfig:
+        return FakeConfig()
 
-    def create_optimization_profile(self):
-        return Value("IOptimizationProfile", "Builder().create_optimization_profile()")
+    def create_optimization_profile(self) -> FakeProfile:
+        return FakeProfile()
 
     def build_serialized_network(self, network, config) -> HostMemory | None:
-        """Drives the config's progress monitor as TensorRT does; None when it cancels."""
+        """Drives the config's progress monitor as TensorRT does; None when it cancels. The plan
+        of a parsed ONNX model computes it (:func:`onnx_plan`), refittable when REFIT was set."""
         monitor = config._set.get("progress_monitor") if isinstance(config, Value) else None
         if monitor is not None:
             monitor.phase_start("Building engine", None, 2)
@@ -289,6 +338,10 @@ class FakeBuilder(FakeObject):
                 if not monitor.step_complete("Building engine", step):
                     return None
             monitor.phase_finish("Building engine")
+        source = getattr(network, "_onnx", None)
+        if source is not None and isinstance(config, FakeConfig) and config._profiles:
+            ranges = config._profiles[0]._shapes
+            return HostMemory(onnx_plan(source, ranges, refittable="trt.BuilderFlag.REFIT" in config._flags))
         return HostMemory(b"sd-accel dry-run plan")
 
 
@@ -304,6 +357,7 @@ class FakeParser(FakeObject):
         import onnx
 
         model = onnx.load(str(path), load_external_data=False)
+        object.__setattr__(self._network, "_onnx", str(path))
         weights = {t.name for t in model.graph.initializer}
         for value in model.graph.input:
             if value.name in weights:
@@ -414,12 +468,228 @@ class FakeEngine(FakeObject):
         return HostMemory(json.dumps(self._spec).encode())
 
 
+# ---- engines that compute an ONNX graph, and their refits --------------------------------------
+
+PLAN_MAGIC = b"sd-accel dry-run onnx plan\n"
+DTYPES = {np.dtype(v): k for k, v in NUMPY.items()}
+
+
+def _constant_value(node) -> np.ndarray:
+    from onnx import numpy_helper
+
+    for attr in node.attribute:
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+    if node.op_type == "ConstantOfShape":
+        return np.zeros(1, np.float32)
+    raise ValueError(f"the stand-in parser does not model {node.op_type} {node.name!r}'s attributes")
+
+
+def onnx_plan(onnx_path: str, ranges: dict[str, tuple[list[int], list[int]]], refittable: bool) -> bytes:
+    """The plan the stand-in builder makes from a parsed ONNX model: the graph (without its
+    weights), the profile's ranges, and the weights the ONNX parser names: each initializer by its
+    name, and, like the parser, a ``Constant`` node's value by its output's name and a
+    ``ConstantOfShape``'s value by a name of its own (those two are kept and refittable, but the
+    graph computes with its own attributes). Self-contained, as a real plan: the ONNX file may
+    change or go after the build."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(onnx_path)
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for i, node in enumerate(n for n in model.graph.node if n.op_type in ("Constant", "ConstantOfShape")):
+        name = node.output[0] if node.op_type == "Constant" else f"sd-accel dry-run temp weights {i}"
+        weights[name] = _constant_value(node)
+    inits = {t.name for t in model.graph.initializer}
+
+    def dtype(value) -> str:
+        return ONNX_TYPES.get(value.type.tensor_type.elem_type, "FLOAT")
+
+    inputs = {}
+    for value in model.graph.input:
+        if value.name not in inits:
+            static = [d.dim_value for d in value.type.tensor_type.shape.dim]
+            lo, hi = ranges.get(value.name, (static, static))
+            inputs[value.name] = {"dtype": dtype(value), "min": lo, "max": hi}
+    header = {"inputs": inputs, "refittable": refittable, "weights": list(weights), "initializers": sorted(inits),
+              "outputs": {value.name: {"dtype": dtype(value)} for value in model.graph.output}}
+    del model.graph.initializer[:]
+    return bytes(FakeOnnxEngine(header, weights, model.SerializeToString()).serialize())
+
+
+class FakeOnnxContext(FakeContext):
+    """Runs the engine's graph with onnxruntime, on the tensors at the bound addresses."""
+
+    _trt_type = "IExecutionContext"
+    _dry = True
+
+    def _feed(self, zeros: bool) -> dict[str, np.ndarray]:
+        spec = self._engine._spec["inputs"]
+        if zeros:
+            return {n: np.zeros(self._shapes[n], NUMPY[s["dtype"]]) for n, s in spec.items()}
+        return {n: _array(self._addresses[n], self._shapes[n], s["dtype"]).copy() for n, s in spec.items()}
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        spec = self._engine._spec
+        if name in spec["inputs"]:
+            return self._shapes.get(name, tuple(-1 for _ in spec["inputs"][name]["min"]))
+        if set(spec["inputs"]) - set(self._shapes):
+            return (-1,)
+        key = tuple(self._shapes[n] for n in spec["inputs"])
+        shapes = self._engine._output_shapes
+        if key not in shapes:  # TensorRT infers them from the input shapes alone: zeros will do here
+            outs = self._engine._session().run(None, self._feed(zeros=True))
+            shapes[key] = {n: tuple(o.shape) for n, o in zip(spec["outputs"], outs, strict=True)}
+        return shapes[key][name]
+
+    def execute_async_v3(self, stream_handle: int) -> bool:
+        if not isinstance(stream_handle, int):
+            raise TypeError(f"execute_async_v3 takes an int stream handle, got {type(stream_handle).__name__}")
+        spec = self._engine._spec
+        if {*spec["inputs"], *spec["outputs"]} - set(self._addresses) or set(spec["inputs"]) - set(self._shapes):
+            return False
+        outs = self._engine._session().run(None, self._feed(zeros=False))
+        for (name, out), value in zip(spec["outputs"].items(), outs, strict=True):
+            _array(self._addresses[name], value.shape, out["dtype"])[...] = value.astype(NUMPY[out["dtype"]])
+        object.__setattr__(self, "_launches", self._launches + 1)
+        return True
+
+
+class FakeOnnxEngine(FakeEngine):
+    """An engine made by the stand-in builder (:func:`onnx_plan`): computes its ONNX graph with
+    its own weights, which a :class:`FakeRefitter` replaces."""
+
+    _trt_type = "ICudaEngine"
+    _dry = True
+
+    def __init__(self, header: dict, weights: dict[str, np.ndarray], graph: bytes) -> None:
+        super().__init__(header)
+        object.__setattr__(self, "_weights", weights)
+        object.__setattr__(self, "_graph", graph)  # the ONNX model without its initializers
+        object.__setattr__(self, "_output_shapes", {})
+        object.__setattr__(self, "_cached", None)
+
+    def _session(self):
+        if self._cached is None:
+            import onnx
+            import onnxruntime as ort
+            from onnx import numpy_helper
+
+            model = onnx.ModelProto.FromString(self._graph)
+            model.graph.initializer.extend(numpy_helper.from_array(self._weights[n], n)
+                                           for n in self._spec["initializers"])
+            session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            object.__setattr__(self, "_cached", session)
+        return self._cached
+
+    def create_execution_context(self) -> FakeOnnxContext:
+        return FakeOnnxContext(self)
+
+    def serialize(self) -> HostMemory:
+        import io
+
+        buffer = io.BytesIO()
+        header = np.frombuffer(json.dumps(self._spec).encode(), np.uint8)
+        np.savez(buffer, *(self._weights[n] for n in self._spec["weights"]), header=header,
+                 graph=np.frombuffer(self._graph, np.uint8))
+        return HostMemory(PLAN_MAGIC + buffer.getvalue())
+
+
+def _onnx_engine(data: bytes) -> FakeOnnxEngine:
+    import io
+
+    with np.load(io.BytesIO(data[len(PLAN_MAGIC):]), allow_pickle=False) as npz:
+        header = json.loads(npz["header"].tobytes())
+        weights = {name: npz[f"arr_{i}"] for i, name in enumerate(header["weights"])}
+        graph = npz["graph"].tobytes()
+    return FakeOnnxEngine(header, weights, graph)
+
+
+class FakeWeights(FakeObject):
+    """``trt.Weights``: over a numpy array, without a copy (as TensorRT's), or a prototype."""
+
+    _trt_type = "Weights"
+    _dry = True
+
+    def __init__(self, a=None, *rest) -> None:
+        if rest or not (a is None or isinstance(a, np.ndarray)):
+            raise TypeError("the stand-in models Weights() and Weights(a: numpy.ndarray) only")
+        object.__setattr__(self, "_array", a)
+        object.__setattr__(self, "_proto", None)  # (dtype, count) of a prototype
+
+    @classmethod
+    def _prototype(cls, array: np.ndarray) -> FakeWeights:
+        w = cls()
+        object.__setattr__(w, "_proto", (DTYPES[array.dtype], int(array.size)))
+        return w
+
+    @property
+    def dtype(self) -> Value:
+        if self._array is None:
+            return _enum("DataType", self._proto[0] if self._proto else "FLOAT")
+        return _enum("DataType", DTYPES[self._array.dtype])
+
+    @property
+    def size(self) -> int:
+        if self._array is None:
+            return self._proto[1] if self._proto else 0
+        return int(self._array.size)
+
+
+class FakeRefitter(FakeObject):
+    """``trt.Refitter(engine, logger)``: TensorRT 10's named-weights interface. Refuses what
+    TensorRT refuses (an unknown name, another count or dtype than the engine's); an engine built
+    without REFIT lists no weights and does not refit."""
+
+    _trt_type = "Refitter"
+    _dry = True
+
+    def __init__(self, engine, logger) -> None:
+        if not isinstance(engine, FakeOnnxEngine):
+            raise TypeError(f"Refitter takes an ICudaEngine, got {type(engine).__name__}")
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_new", {})
+
+    def _names(self) -> list[str]:
+        return list(self._engine._spec["weights"]) if self._engine._spec["refittable"] else []
+
+    def get_all_weights(self) -> list[str]:
+        return self._names()
+
+    def get_missing_weights(self) -> list[str]:
+        return []  # the stand-in combines no weights: nothing set calls for another
+
+    def get_weights_prototype(self, weights_name: str) -> FakeWeights:
+        return FakeWeights._prototype(self._engine._weights[weights_name])
+
+    def set_named_weights(self, name: str, weights: FakeWeights) -> bool:
+        if not isinstance(weights, FakeWeights) or weights._array is None:
+            raise TypeError("set_named_weights takes (name: str, weights: Weights)")
+        old = self._engine._weights.get(name) if name in self._names() else None
+        if old is None or weights._array.dtype != old.dtype or weights._array.size != old.size:
+            return False
+        self._new[name] = weights._array  # by reference, as TensorRT: read when refitting
+        return True
+
+    def refit_cuda_engine(self) -> bool:
+        if not self._engine._spec["refittable"]:
+            return False
+        for name, array in self._new.items():
+            old = self._engine._weights[name]
+            self._engine._weights[name] = np.array(array, dtype=old.dtype).reshape(old.shape)
+        self._new.clear()
+        object.__setattr__(self._engine, "_cached", None)
+        return True
+
+
 class FakeRuntime(FakeObject):
     _trt_type = "Runtime"
     _dry = True
 
     def deserialize_cuda_engine(self, data):
         data = bytes(data)
+        if data.startswith(PLAN_MAGIC):
+            return _onnx_engine(data)
         if data.startswith(b"{"):
             return FakeEngine(json.loads(data))
         if data == b"corrupt":
@@ -431,6 +701,8 @@ STAND_INS: dict[str, type] = {
     "Builder": FakeBuilder,
     "OnnxParser": FakeParser,
     "Runtime": FakeRuntime,
+    "Refitter": FakeRefitter,
+    "Weights": FakeWeights,
 }
 
 
