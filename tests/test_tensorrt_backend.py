@@ -15,6 +15,7 @@ import torch
 from sd_accel.backends.registry import get_backend
 from sd_accel.backends.tensorrt.builder import (
     ENGINE_FILE,
+    META_FILE,
     TensorRTBackend,
     config_kwargs,
     profile_for,
@@ -172,7 +173,7 @@ def test_build_names_its_engine_and_reports_progress(version, small_onnx, tmp_pa
     with dry_run(version):
         files = TensorRTBackend(tmp_path / "cache").build(
             path, shapes, "fp16", tmp_path / "out", lambda f, m: seen.append((f, m)))
-    assert files == [ENGINE_FILE] and (tmp_path / "out" / ENGINE_FILE).is_file()
+    assert files == [ENGINE_FILE, META_FILE] and (tmp_path / "out" / ENGINE_FILE).is_file()
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
     assert any(m.startswith("TensorRT: ") and "Tactic" in m for _, m in seen)  # the monitor's phases
@@ -333,6 +334,176 @@ def test_tensorrt_backend_refused_with_reason_where_absent():
     assert get_backend("auto").name in ("openvino", "onnxruntime")  # the CPU's: OpenVINO where installed
 
 
+# ---- refits: new weights into a built engine (trt.Refitter), on the stand-in -----------------------
+# The stand-in's engines compute their ONNX graph on the CPU with the engine's own weights, and its
+# Refitter follows TensorRT 10's interface and checks (names, counts, dtypes): what is verified here
+# is our side of that interface, not TensorRT's refit on a GPU.
+
+
+def _small(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+
+
+@pytest.fixture
+def refit_case(tmp_path, monkeypatch):
+    """A small model's ONNX export, a way to build it on the stand-in, and a way to run an engine."""
+    from sd_accel.onnx.weights import onnx_values
+
+    path = tmp_path / "onnx" / "model.onnx"
+    path.parent.mkdir()
+    _export(_small(0), torch.randn(2, 8), path, dynamic_axes={"x": {0: "B"}, "y": {0: "B"}})
+    shapes = {"x": ((1, 8), (2, 8), (4, 8))}
+    x = torch.randn(3, 8)
+    pretend_gpu(monkeypatch)
+
+    class Case:
+        def build(self, precision: str, out: str = "engine") -> list[str]:
+            return TensorRTBackend().build(path, shapes, precision, tmp_path / out, lambda f, m: None)
+
+        def patch(self, module_or_value, src: str = "engine", out: str = "refit", files=None):
+            value = module_or_value
+            if isinstance(module_or_value, torch.nn.Module):
+                value = onnx_values(path.parent, module_or_value.state_dict())
+            return TensorRTBackend().patch_weights(tmp_path / src, files or [ENGINE_FILE, META_FILE], value,
+                                                   tmp_path / out)
+
+        def run(self, folder: str = "refit", files=None) -> torch.Tensor:
+            runner = on_cpu(TensorRTBackend().load(tmp_path / folder, files or [ENGINE_FILE, META_FILE], shapes))
+            try:
+                return runner.infer({"x": x})["y"].clone()
+            finally:
+                runner.close()
+
+        def torch(self, module) -> torch.Tensor:
+            with torch.no_grad():
+                return module(x)
+
+    case = Case()
+    case.dir, case.value = tmp_path, lambda m: onnx_values(path.parent, m.state_dict())
+    return case
+
+
+@pytest.mark.parametrize(("version", "precision"), [(V10, "fp16"), (V10, "fp32"), (V11, "fp16"), (V11, "fp32")])
+def test_built_engines_are_refittable_and_say_so(version, precision, refit_case):
+    import json
+
+    with dry_run(version) as run:
+        files = refit_case.build(precision)
+    assert files == [ENGINE_FILE, META_FILE] and "BuilderFlag.REFIT" in run.used
+    meta = json.loads((refit_case.dir / "engine" / META_FILE).read_text())
+    assert meta == {"refittable": True, "precision": precision,
+                    "onnx_precision": onnx_precision(precision, features(version)),
+                    "graph_constants": 0, "derived_weights": False}
+
+
+@pytest.mark.parametrize(("version", "precision", "atol"), [(V10, "fp32", 1e-6), (V11, "fp32", 1e-6),
+                                                           (V11, "fp16", 2e-3)])
+def test_a_refit_engine_computes_with_the_new_weights(version, precision, atol, refit_case):
+    """11.x fp16 engines hold fp16 weights (the ONNX is fp16): the refit converts them, or the
+    Refitter would refuse them as TensorRT does."""
+    base, changed = _small(0), _small(1)
+    with dry_run(version):
+        refit_case.build(precision)
+        files = refit_case.patch(changed)
+        assert files == [ENGINE_FILE, META_FILE]
+        new, old = refit_case.run("refit"), refit_case.run("engine")
+    torch.testing.assert_close(new, refit_case.torch(changed), atol=atol, rtol=0)
+    torch.testing.assert_close(old, refit_case.torch(base), atol=atol, rtol=0)  # the base engine is untouched
+    assert (new - old).abs().max() > 100 * atol
+
+
+def test_refits_set_full_weights_never_deltas(refit_case):
+    """LoRA A, then B, then A again gives A, even refitting each engine from the previous refit."""
+    a, b = _small(1), _small(2)
+    with dry_run(V11):
+        refit_case.build("fp32")
+        assert refit_case.patch(a, "engine", "a1")
+        assert refit_case.patch(b, "a1", "b")
+        assert refit_case.patch(a, "b", "a2")
+        first, again = refit_case.run("a1"), refit_case.run("a2")
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first, refit_case.torch(a), atol=1e-6, rtol=0)
+
+
+def test_engines_that_are_not_refittable_are_not_patched(refit_case, monkeypatch):
+    import json
+
+    import sd_accel.backends.tensorrt.builder as builder
+
+    changed = _small(1)
+    with dry_run(V10):
+        refit_case.build("fp32")
+        # An engine built before refits existed: no engine.json in its record.
+        assert refit_case.patch(changed, files=[ENGINE_FILE]) is None
+        # Built without REFIT (the stand-in's Refitter then lists no weights, as TensorRT refuses).
+        monkeypatch.setattr(builder, "config_kwargs", lambda *a: {**config_kwargs(*a), "refittable": False})
+        refit_case.build("fp32", out="plain")
+        assert json.loads((refit_case.dir / "plain" / META_FILE).read_text())["refittable"] is False
+        assert refit_case.patch(changed, src="plain") is None
+        meta = refit_case.dir / "plain" / META_FILE
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "refittable": True}))
+        assert refit_case.patch(changed, src="plain") is None  # the engine itself says no
+    assert not (refit_case.dir / "refit" / ENGINE_FILE).exists()
+
+
+def test_a_weight_the_graph_does_not_name_means_no_patch(refit_case, caplog):
+    changed = _small(1)
+    value = refit_case.value(changed)
+    with dry_run(V11):
+        refit_case.build("fp32")
+        first = next(iter(_initializers(refit_case.dir / "onnx" / "model.onnx")))
+        with caplog.at_level("INFO", logger="sd_accel"):
+            assert refit_case.patch(lambda name: None if name == first else value(name)) is None
+        assert f"{first!r} is not an initializer" in caplog.text
+        # A value of another size than the engine's (a layout the map got wrong) is refused too.
+        assert refit_case.patch(lambda name: value(name).ravel()[:-1] if name == first else value(name)) is None
+        assert refit_case.patch(changed) is not None
+
+
+def _initializers(path: Path) -> list[str]:
+    import onnx
+
+    return [t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer]
+
+
+def test_the_graphs_own_constants_stay_as_built(tmp_path, monkeypatch):
+    """A ConstantOfShape's value is a weight the parser names itself (no initializer does): it
+    stays as built; a graph whose parser derives weights from initializers (BatchNormalization)
+    is not patched."""
+    import json
+
+    from sd_accel.onnx.weights import onnx_values
+
+    class Padded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.lin(x) + torch.zeros(x.shape[0], 4)  # a ConstantOfShape in the export
+
+    torch.manual_seed(0)
+    base, changed = Padded().eval(), Padded().eval()
+    path = tmp_path / "onnx" / "model.onnx"
+    path.parent.mkdir()
+    _export(base, torch.randn(2, 8), path, dynamic_axes={"x": {0: "B"}, "y": {0: "B"}})
+    shapes = {"x": ((1, 8), (2, 8), (4, 8))}
+    x = torch.randn(3, 8)
+    pretend_gpu(monkeypatch)
+    with dry_run(V11):
+        files = TensorRTBackend().build(path, shapes, "fp32", tmp_path / "engine", lambda f, m: None)
+        meta = json.loads((tmp_path / "engine" / META_FILE).read_text())
+        assert meta["graph_constants"] >= 1 and not meta["derived_weights"]
+        value = onnx_values(path.parent, changed.state_dict())
+        assert TensorRTBackend().patch_weights(tmp_path / "engine", files, value, tmp_path / "refit") == files
+        runner = on_cpu(TensorRTBackend().load(tmp_path / "refit", files, shapes))
+        torch.testing.assert_close(runner.infer({"x": x})["y"], changed(x).detach(), atol=1e-6, rtol=0)
+        runner.close()
+        (tmp_path / "engine" / META_FILE).write_text(json.dumps({**meta, "derived_weights": True}))
+        assert TensorRTBackend().patch_weights(tmp_path / "engine", files, value, tmp_path / "refit2") is None
+
+
 # ---- on an NVIDIA GPU with TensorRT (scripts/gpu_check.sh runs these) -----------------------------
 
 
@@ -367,3 +538,54 @@ def test_tensorrt_build_and_run_tiny_unet(tmp_path):
     pipe = accelerate(pipe, AccelConfig(engines=True, engine_dir=str(tmp_path), backend="tensorrt"))
     pipe("a cat", num_inference_steps=2, height=64, width=64, generator=torch.Generator().manual_seed(0))
     assert stats(pipe)["unet"]["engine_calls"] == 2
+
+
+@pytest.mark.slow
+def test_refit_engines_puts_a_lora_on_a_stand_in_tensorrt_unet(tmp_path, monkeypatch):
+    """End to end on the stand-in: the tiny SD 1.5 UNet's engine built refittable, a peft LoRA
+    loaded after the swap, ``refit_engines`` refits it with ``trt.Refitter`` (no build), and the
+    image equals torch + LoRA. The stand-in computes on the CPU: torch's device is the CPU here."""
+    from peft import LoraConfig
+
+    from sd_accel import AccelConfig, accelerate, build_engines, load_pipeline, refit_engines, stats
+
+    pretend_gpu(monkeypatch)
+    monkeypatch.setattr(TensorRTBackend, "torch_device", "cpu")
+    load = TensorRTBackend.load
+    monkeypatch.setattr(TensorRTBackend, "load", lambda self, *a: on_cpu(load(self, *a)))
+    builds = []
+    build = TensorRTBackend.build
+    monkeypatch.setattr(TensorRTBackend, "build", lambda self, *a, **k: builds.append(a[0]) or build(self, *a, **k))
+
+    def generate(pipe):
+        g = torch.Generator("cpu").manual_seed(0)
+        return pipe("a cat", num_inference_steps=2, height=64, width=64, generator=g, output_type="np").images
+
+    def add_lora(pipe, seed: int) -> None:
+        torch.manual_seed(seed)
+        pipe.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                         init_lora_weights=False))
+
+    config = dict(precision="fp32", sampler="Euler", device="cpu")
+    reference = accelerate(load_pipeline("builtin:tiny-sd15"), AccelConfig(**config))
+    base = generate(reference)
+    add_lora(reference, 0)
+    want = generate(reference)
+    assert np.abs(want - base).max() > 1e-2  # the LoRA makes a difference worth testing
+
+    with dry_run(V11):
+        build_engines(load_pipeline("builtin:tiny-sd15"), profiles=[dict(batch=1, height=64, width=64)],
+                      components=["unet"], backend="tensorrt", precision="fp32", engine_dir=tmp_path, progress=False)
+        pipe = accelerate(load_pipeline("builtin:tiny-sd15"),
+                          AccelConfig(engines=True, engine_dir=str(tmp_path), backend="tensorrt", **config))
+        np.testing.assert_allclose(generate(pipe), base, atol=1e-4)
+        assert stats(pipe)["unet"]["engine_calls"] == 2  # the stand-in engine ran, not torch
+        add_lora(pipe, 0)
+        builds.clear()
+        events = []
+        done = refit_engines(pipe, progress=events.append)
+        got = generate(pipe)
+    assert list(done) == ["unet"] and not builds  # refitted in place: nothing built
+    assert "writing the current weights into a copy of the engine" in [m for _, _, m in events]
+    assert stats(pipe)["unet"]["engine_calls"] == 4 and not stats(pipe)["unet"]["fallbacks"]
+    np.testing.assert_allclose(got, want, atol=1e-4)

@@ -26,6 +26,7 @@ from support.trt.api_names import (
     ONLY_10_FP16,
     ONLY_11,
     POLYGRAPHY,
+    REFIT,
     RUNTIME,
     TRT_OBJECTS,
     NameList,
@@ -94,7 +95,7 @@ def test_version_only_groups_are_really_version_only():
     assert used_names(NEWEST_10, "fp16") >= ONLY_10_FP16 and not used_names(NEWEST_10, "fp16") & ONLY_11
     assert used_names(NEWEST_11, "fp16") >= ONLY_11 and not used_names(NEWEST_11, "fp16") & ONLY_10_FP16
     assert not used_names(NEWEST_10, "fp32") & (ONLY_10_FP16 | ONLY_11)
-    assert not (RUNTIME | BUILD | POLYGRAPHY) & (ONLY_10_FP16 | ONLY_11)
+    assert not (RUNTIME | BUILD | REFIT | POLYGRAPHY) & (ONLY_10_FP16 | ONLY_11)
 
 
 def _wheel_dir() -> Path:
@@ -243,11 +244,11 @@ def test_every_tensorrt_name_in_the_backend_source_is_declared():
         used |= u
         problems += p
     assert not problems, "\n".join(problems)
-    direct = RUNTIME | BUILD
+    direct = RUNTIME | BUILD | REFIT
     undeclared = used - declared_names()
     assert not undeclared, f"used in the backend but not declared in api_names: {sorted(undeclared)}"
     stale = direct - used
-    assert not stale, f"declared in api_names RUNTIME/BUILD but not used in the source any more: {sorted(stale)}"
+    assert not stale, f"declared in api_names RUNTIME/BUILD/REFIT but not used in the source any more: {sorted(stale)}"
     assert used <= direct | ONLY_10_FP16 | ONLY_11
     everything = "\n".join(_backend_sources().values())
     for var in TRT_OBJECTS:
@@ -272,7 +273,7 @@ def unet_onnx(tmp_path_factory):
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
 def test_build_path_runs_on_each_versions_names(version, precision, unet_onnx, tmp_path, monkeypatch):
-    from sd_accel.backends.tensorrt.builder import ENGINE_FILE, TensorRTBackend
+    from sd_accel.backends.tensorrt.builder import ENGINE_FILE, META_FILE, TensorRTBackend
     from sd_accel.profiles import PRESETS
 
     spec, onnx_path, _ = unet_onnx
@@ -285,10 +286,11 @@ def test_build_path_runs_on_each_versions_names(version, precision, unet_onnx, t
     with dry_run(version) as run:
         files = TensorRTBackend(tmp_path / "cache").build(
             onnx_path, shapes, precision, tmp_path / "engine", lambda f, m: seen.append((f, m)))
-    assert files == [ENGINE_FILE] and (tmp_path / "engine" / ENGINE_FILE).exists()
+    assert files == [ENGINE_FILE, META_FILE] and (tmp_path / "engine" / ENGINE_FILE).exists()
+    assert "BuilderFlag.REFIT" in run.used  # built refittable, on every version
     assert timing.read_bytes() != b"an earlier build's cache"
     assert seen[-1] == (1.0, "TensorRT: engine saved")
-    expected = used_names(version, precision) - RUNTIME
+    expected = used_names(version, precision) - RUNTIME - (REFIT - POLYGRAPHY)  # refits: see below
     assert expected <= run.used, f"declared for the build but not touched: {sorted(expected - run.used)}"
     if features(version).strongly_typed_only and precision == "fp16":
         assert (onnx_path.parent / "model.fp16.onnx").exists()
@@ -333,6 +335,27 @@ def test_load_and_infer_path_runs_on_each_versions_names(version, tmp_path, monk
         runner.close()
     torch.testing.assert_close(out["latent"].float(), (sample.half() * 0.5).float())
     assert RUNTIME <= run.used | {"__version__"}, sorted(RUNTIME - run.used)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_refit_path_runs_on_each_versions_names(version, tmp_path, monkeypatch):
+    """The refit (``trt.Refitter``) on each version's names, from the engine the build path made."""
+    from sd_accel.backends.tensorrt.builder import TensorRTBackend
+    from sd_accel.onnx.weights import onnx_values
+
+    path = tmp_path / "onnx" / "model.onnx"
+    path.parent.mkdir()
+    torch.onnx.export(torch.nn.Linear(8, 4).eval(), (torch.randn(2, 8),), str(path), input_names=["x"],
+                      output_names=["y"], dynamo=False)
+    shapes = {"x": ((2, 8), (2, 8), (2, 8))}
+    pretend_gpu(monkeypatch)
+    with dry_run(version) as run:
+        files = TensorRTBackend().build(path, shapes, "fp16", tmp_path / "engine", lambda f, m: None)
+        changed = torch.nn.Linear(8, 4).state_dict()
+        out = TensorRTBackend().patch_weights(tmp_path / "engine", files, onnx_values(path.parent, changed),
+                                              tmp_path / "refit")
+    assert out == files
+    assert REFIT <= run.used, sorted(REFIT - run.used)
 
 
 # ---- polygraphy: every call binds to the installed polygraphy's real signature ------------------
@@ -384,6 +407,7 @@ def test_polygraphy_calls_bind_to_the_real_signatures(version, tmp_path):
         assert config.tactic_sources == [] and config.timing_cache_path == str(timing)
         assert list(config.memory_pool_limits.values()) == [2**30]
         assert config.progress_monitor is kwargs["progress_monitor"]
+        assert config.refittable is True and not config.strip_plan  # BuilderFlag.REFIT, weights kept
         assert tuple(config.profiles[0]["sample"].max) == (8, 4, 96, 96)
 
         args, kw = engine_call(object(), config, timing)

@@ -10,10 +10,13 @@ binding modules of TensorRT 10.x and 11.x.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 from sd_accel.backends.base import BackendInfo
+from sd_accel.backends.tensorrt.refit import META_FILE, engine_meta, graph_facts, refit_plan
 from sd_accel.backends.tensorrt.versions import TrtFeatures, features, onnx_precision
 from sd_accel.core import CalibrationSet, EngineError, Progress, ShapeRanges
 from sd_accel.onnx.fp16 import fp16_onnx
@@ -79,11 +82,19 @@ def config_kwargs(shapes: ShapeRanges, precision: str, feats: TrtFeatures, timin
 
     ``tactic_sources=[]`` (no cuBLAS/cuDNN tactics) follows NVIDIA's demoDiffusion; 10.x builds fp16
     with the FP16 flag, 11.x has no flag (the ONNX is fp16, see :func:`fp16_onnx`).
+
+    ``refittable=True`` (``BuilderFlag.REFIT``): LoRAs and other weight changes are refitted into
+    the engine (``refit.py``) instead of building it again. REFIT allows arbitrary new weights;
+    REFIT_IDENTICAL builds as fast an engine as a plain one but leaves a refit with weights other
+    than the build's undefined (it is meant for weight-stripped plans), and STRIP_PLAN would leave
+    the plan without weights. (TensorRT 11.3 lists a known issue of REFIT engines dropping a GEMM
+    bias: built engines are validated against torch, which would refuse such an engine.)
     """
     kwargs: dict[str, Any] = {
         "profiles": [profile_for(shapes)],
         "builder_optimization_level": BUILDER_OPTIMIZATION_LEVEL,
         "tactic_sources": [],
+        "refittable": True,
     }
     if feats.precision_flags and precision == "fp16":  # 10.x: BuilderFlag.FP16 (api_names.ONLY_10_FP16 in tests/)
         kwargs["fp16"] = True
@@ -233,12 +244,31 @@ class TensorRTBackend:
             raise EngineError("TensorRT returned no engine (out of GPU memory, or the build was cancelled)")
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         save_engine(engine, str(Path(out_dir) / ENGINE_FILE))
+        meta = {"refittable": kwargs["refittable"], "precision": precision,
+                "onnx_precision": onnx_precision(precision, feats), **graph_facts(source)}
+        (Path(out_dir) / META_FILE).write_text(json.dumps(meta))
         progress(1.0, "TensorRT: engine saved")
-        return [ENGINE_FILE]
+        return [ENGINE_FILE, META_FILE]
+
+    def patch_weights(self, engine_dir: Path, files: list[str], value, out_dir: Path) -> list[str] | None:
+        """A copy of a refittable engine in ``out_dir`` with every weight set to ``value(onnx_name)``
+        (``trt.Refitter``; see ``refit.py``): its files, or None where it cannot (an engine built
+        before refits, or one whose weights the graph's initializers do not all name)."""
+        engine_dir, out_dir = Path(engine_dir), Path(out_dir)
+        meta = engine_meta(engine_dir, files)
+        if not meta.get("refittable") or not trt_status()[0]:
+            return None
+        plan = refit_plan((engine_dir / ENGINE_FILE).read_bytes(), value, meta, engine_dir.name)
+        if plan is None:
+            return None
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / ENGINE_FILE).write_bytes(plan)
+        shutil.copyfile(engine_dir / META_FILE, out_dir / META_FILE)
+        return [ENGINE_FILE, META_FILE]
 
     def load(self, engine_dir: Path, files: list[str], shapes: ShapeRanges):
         from sd_accel.backends.tensorrt.runner import TensorRTRunner
 
-        if files and list(files) != [ENGINE_FILE]:
-            raise EngineError(f"a TensorRT engine folder holds {ENGINE_FILE}, not {files}")
+        if files and (ENGINE_FILE not in files or set(files) - {ENGINE_FILE, META_FILE}):
+            raise EngineError(f"a TensorRT engine folder holds {ENGINE_FILE} (and {META_FILE}), not {files}")
         return TensorRTRunner(Path(engine_dir) / ENGINE_FILE, shapes)
