@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -178,19 +179,41 @@ def step_reference(args) -> dict[str, Any]:
     return {"seconds": round(time.perf_counter() - start, 1)}
 
 
+class _Said(logging.Handler):
+    """The library's log lines during a refit (how many weights the written-weights path wrote)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _timed_refit(pipe) -> dict[str, Any]:
     from sd_accel import refit_engines
 
     phases = Phases()
+    said = _Said()
+    logger = logging.getLogger("sd_accel")
+    level = logger.level
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
     reset_peak()
     start = time.perf_counter()
-    done = refit_engines(pipe, progress=lambda ev: phases("", ev[2]))
+    try:
+        done = refit_engines(pipe, progress=lambda ev: phases("", ev[2]))
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
     end = time.perf_counter()
     split = phases.split(end)
     first = phases.marks[0][0] if phases.marks else end
     # before the first message: the module's effective weights (base + LoRA deltas) are computed
     split.insert(0, ("computing the effective weights", round(first - start, 1)))
-    return {"seconds": round(end - start, 1), "phases": split, "refitted": done, "peak_rss_gb": peak_rss_gb()}
+    written = [line.split(": ", 1)[1] for line in said.lines if "weights differ from the engine's" in line]
+    return {"seconds": round(end - start, 1), "phases": split, "refitted": done, "peak_rss_gb": peak_rss_gb(),
+            "written": written}
 
 
 def step_refit(args) -> dict[str, Any]:
@@ -359,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name in ("a", "b"):
         print(f"refit {name.upper()} phases: " + "; ".join(f"{m} {s}" for m, s in report["refit"][name]["phases"]))
+        for line in report["refit"][name].get("written", []):
+            print(f"  {line}")
     print("build phases: " + "; ".join(f"{m} {s}" for m, s in report["build"]["phases"]))
     if "rebuild" in report:
         print("rebuild phases: " + "; ".join(f"{m} {s}" for m, s in report["rebuild"]["phases"]))

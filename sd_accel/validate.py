@@ -15,6 +15,10 @@ guidance, 768 px, 154 tokens), so:
   it runs) is scaled by the max/opt size ratio, with headroom; when that does not
   fit in the memory available now, max is skipped and the record says so (``skipped``) instead
   of the kernel's OOM killer ending the build.
+
+A check of a narrower change can ask for less (``items``, ``points``): a refit that only wrote new
+weights into a copy of an already validated engine (:func:`sd_accel.refit._patched`) can get the
+weights wrong and nothing else, so one batch item at the opt shape checks it (see ``validate``).
 """
 
 from __future__ import annotations
@@ -60,11 +64,13 @@ def _points(spec, profile: Profile) -> dict[str, dict[str, int]]:
     return pts
 
 
-def reference(module: torch.nn.Module, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """``module``'s outputs for ``feed``, computed one batch item at a time and concatenated."""
+def reference(module: torch.nn.Module, feed: dict[str, torch.Tensor], items: int | None = None
+              ) -> tuple[torch.Tensor, ...]:
+    """``module``'s outputs for ``feed``, computed one batch item at a time and concatenated (the
+    first ``items`` of them only, when given)."""
     batch = next(iter(feed.values())).shape[0]
     parts = []
-    for i in range(batch):
+    for i in range(batch if items is None else min(items, batch)):
         out = module(*(v[i : i + 1] for v in feed.values()))
         parts.append(out if isinstance(out, tuple) else (out,))
     return tuple(torch.cat(chunks) for chunks in zip(*parts, strict=True))
@@ -132,7 +138,7 @@ def _elements(spec, dims: dict[str, int]) -> int:
     return sum(math.prod(shape) for shape in spec.shapes(dims).values())
 
 
-def _max_fits(spec, opt_dims: dict, max_dims: dict, opt_growth: int | None) -> str:
+def _max_fits(spec, opt_dims: dict | None, max_dims: dict, opt_growth: int | None) -> str:
     """Why the max point would not fit in memory now ("" when it fits or cannot be judged)."""
     free = available_bytes()
     if opt_growth is None or free is None:
@@ -146,14 +152,33 @@ def _max_fits(spec, opt_dims: dict, max_dims: dict, opt_growth: int | None) -> s
 
 
 def validate(
-    spec, runner, profile: Profile, precision: str, device: str = "cpu", feeds: list[dict] | None = None
+    spec, runner, profile: Profile, precision: str, device: str = "cpu", feeds: list[dict] | None = None,
+    items: int | None = None, points: tuple[str, ...] | None = None,
 ) -> Validation:
     """Run engine and torch on the same sample feeds (at opt, and at max for dynamic profiles), or
-    on ``feeds``: real inputs (INT8 engines are checked on captured inputs held out of calibration)."""
+    on ``feeds``: real inputs (INT8 engines are checked on captured inputs held out of calibration).
+
+    ``items``: compare only the first ``items`` batch items of each output (the engine still runs
+    its full batch; torch computes only those items). ``points``: check only these of the profile's
+    points (``"opt"``, ``"max"``). Both are for checks of what cannot differ between batch items
+    or shapes: a new engine, or a refit that builds one, is checked in full (its graph, shapes and
+    kernels are new); a copy of a validated engine with only its weights rewritten (the fast refit)
+    can only have wrong weights, and a weight is the same for every batch item (the UNet, text
+    encoder and VAE compute each item on its own) and every shape, so one item at the opt shape
+    sees a wrong or unread weight as surely as the full batch at every point, at a fraction of the
+    cost (the torch fp32 reference is most of it: one item of SD 1.5's UNet at 512 px is ~5 s on
+    2 cores, and the engine runs batch 2 for guidance)."""
+    if items is not None and items < 1:
+        raise ValueError(f"items must be at least 1 (or None: every batch item), not {items}")
     worst_abs, worst_rel = 0.0, 0.0
     tol = TOLERANCE.get(precision, 1e-3)
     names = [t.name for t in spec.outputs()]
+    wanted = points
     points: dict[str, dict | None] = dict(_points(spec, profile))
+    if wanted is not None:
+        points = {label: dims for label, dims in points.items() if label in wanted}
+        if not points:
+            raise ValueError(f"none of the points {wanted} is a point of {profile.tag} ({list(_points(spec, profile))})")
     if feeds is not None:
         points = {f"holdout{i}": None for i in range(len(feeds))}
     checked: list[str] = []
@@ -164,7 +189,7 @@ def validate(
         ref_module = spec.export_module()
         for i, (label, dims) in enumerate(points.items()):
             if label == "max" and device == "cpu":
-                why = _max_fits(spec, points["opt"], dims, opt_growth)
+                why = _max_fits(spec, points.get("opt"), dims, opt_growth)
                 if why:
                     log.warning("validation of %s at the max shape skipped: %s", spec.name, why)
                     skipped[label] = why
@@ -174,12 +199,12 @@ def validate(
             }
             with _PeakSampler() as sampler:
                 got = runner.infer(feed)
-                ref = reference(ref_module, feed)
+                ref = reference(ref_module, feed, items)
             if label == "opt":
                 opt_growth = sampler.growth
             checked.append(label)
             for name, r in zip(names, ref, strict=True):
-                g = got[name].to(r.device, torch.float32)
+                g = got[name][: r.shape[0]].to(r.device, torch.float32)
                 if not torch.isfinite(g).all():
                     return Validation(math.inf, math.inf, checked, False, f"{name} has NaN/inf at {label}", skipped)
                 diff = (g - r.float())
