@@ -170,7 +170,8 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     # blob does not read from engine.bin) is wrong for every batch item and every shape, and the
     # UNet, text encoder and VAE compute each batch item on its own, so the first item at the opt
     # shape shows it. The engine still runs its full static batch; torch computes one item (the
-    # fp32 reference is most of the cost: ~5 s per item for SD 1.5's UNet at 512 px on 2 cores).
+    # fp32 reference is most of the cost: ~5 s per item for SD 1.5's UNet at 512 px on 2 cores);
+    # only when that item is off does it compute the rest and judge on the batch, as at the build.
     result = validate(spec, runner, Profile.from_tag(record.key.profile), record.key.precision,
                       device=handle.backend.torch_device, items=1, points=("opt",))
     if result.ok:

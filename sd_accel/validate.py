@@ -64,16 +64,30 @@ def _points(spec, profile: Profile) -> dict[str, dict[str, int]]:
     return pts
 
 
-def reference(module: torch.nn.Module, feed: dict[str, torch.Tensor], items: int | None = None
-              ) -> tuple[torch.Tensor, ...]:
-    """``module``'s outputs for ``feed``, computed one batch item at a time and concatenated (the
-    first ``items`` of them only, when given)."""
+def reference(module: torch.nn.Module, feed: dict[str, torch.Tensor], items: int | None = None,
+              start: int = 0) -> tuple[torch.Tensor, ...]:
+    """``module``'s outputs for ``feed``, computed one batch item at a time and concatenated: items
+    ``start`` to the end, or to ``start + items`` when given."""
     batch = next(iter(feed.values())).shape[0]
     parts = []
-    for i in range(batch if items is None else min(items, batch)):
+    for i in range(start, batch if items is None else min(start + items, batch)):
         out = module(*(v[i : i + 1] for v in feed.values()))
         parts.append(out if isinstance(out, tuple) else (out,))
     return tuple(torch.cat(chunks) for chunks in zip(*parts, strict=True))
+
+
+def _errors(names: list[str], got: dict, ref: tuple[torch.Tensor, ...]) -> tuple[float, float, str]:
+    """(max abs, worst relative L2, the output with NaN/inf or "") of the first items of ``got``
+    against ``ref`` (as many items as it has)."""
+    worst_abs, worst_rel = 0.0, 0.0
+    for name, r in zip(names, ref, strict=True):
+        g = got[name][: r.shape[0]].to(r.device, torch.float32)
+        if not torch.isfinite(g).all():
+            return math.inf, math.inf, name
+        diff = g - r.float()
+        worst_abs = max(worst_abs, diff.abs().max().item())
+        worst_rel = max(worst_rel, (diff.norm() / r.float().norm().clamp_min(1e-12)).item())
+    return worst_abs, worst_rel, ""
 
 
 # ---- memory: Linux's /proc (elsewhere the estimate is skipped and max always runs) ---------------
@@ -159,7 +173,9 @@ def validate(
     on ``feeds``: real inputs (INT8 engines are checked on captured inputs held out of calibration).
 
     ``items``: compare only the first ``items`` batch items of each output (the engine still runs
-    its full batch; torch computes only those items). ``points``: check only these of the profile's
+    its full batch; torch computes only those items); when they are off by more than the
+    tolerance, the rest are computed too and the verdict is the whole batch's, as for a new
+    engine (one item's precision error can exceed a tolerance set for a batch). ``points``: check only these of the profile's
     points (``"opt"``, ``"max"``). Both are for checks of what cannot differ between batch items
     or shapes: a new engine, or a refit that builds one, is checked in full (its graph, shapes and
     kernels are new); a copy of a validated engine with only its weights rewritten (the fast refit)
@@ -184,6 +200,7 @@ def validate(
     checked: list[str] = []
     skipped: dict[str, str] = {}
     opt_growth: int | None = None
+    seeds = {label: i for i, label in enumerate(_points(spec, profile))}
     module = spec.torch_module()
     with fp32_on(module, device), sdpa_attention(module), torch.no_grad():
         ref_module = spec.export_module()
@@ -194,7 +211,7 @@ def validate(
                     log.warning("validation of %s at the max shape skipped: %s", spec.name, why)
                     skipped[label] = why
                     continue
-            feed = spec.sample_feed(dims, seed=i, device=device) if feeds is None else {
+            feed = spec.sample_feed(dims, seed=seeds.get(label, i), device=device) if feeds is None else {
                 k: v.to(device) for k, v in feeds[i].items()
             }
             with _PeakSampler() as sampler:
@@ -203,13 +220,18 @@ def validate(
             if label == "opt":
                 opt_growth = sampler.growth
             checked.append(label)
-            for name, r in zip(names, ref, strict=True):
-                g = got[name][: r.shape[0]].to(r.device, torch.float32)
-                if not torch.isfinite(g).all():
-                    return Validation(math.inf, math.inf, checked, False, f"{name} has NaN/inf at {label}", skipped)
-                diff = (g - r.float())
-                worst_abs = max(worst_abs, diff.abs().max().item())
-                worst_rel = max(worst_rel, (diff.norm() / r.float().norm().clamp_min(1e-12)).item())
+            err_abs, err_rel, bad = _errors(names, got, ref)
+            if not bad and err_rel > tol and items is not None and ref[0].shape[0] < next(iter(feed.values())).shape[0]:
+                # The engine's own precision error differs between batch items, and the tolerance
+                # is set for (and new engines are judged on) the whole batch: SD 1.5 (random
+                # weights) in bf16 at 512 px is 4.2e-2 over its batch of 2 and 5.7e-2 on item 0
+                # alone, against 5e-2. Before refusing, judge on every item, as a new engine is.
+                rest = reference(ref_module, feed, start=ref[0].shape[0])
+                ref = tuple(torch.cat(pair) for pair in zip(ref, rest, strict=True))
+                err_abs, err_rel, bad = _errors(names, got, ref)
+            if bad:
+                return Validation(math.inf, math.inf, checked, False, f"{bad} has NaN/inf at {label}", skipped)
+            worst_abs, worst_rel = max(worst_abs, err_abs), max(worst_rel, err_rel)
             del got, ref, feed
     ok = worst_rel <= tol
     why = "" if ok else f"relative error {worst_rel:.2e} exceeds {tol:.0e} for {precision}"
