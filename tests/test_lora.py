@@ -568,7 +568,16 @@ def test_validation_of_one_item_at_opt_runs_the_full_batch_and_compares_the_firs
     computed.clear()
     assert validate(spec, _ItemRunner(spec, {0: 1.2e-3}), profile, "fp32", items=1, points=("opt",)).ok
     assert computed == [(1, 0), (None, 1)]
+    # an item as close to torch as the base engine's same item was (its record: the baseline) passes
+    # without the rest of the batch; further off than that, the batch is judged
+    computed.clear()
+    base = {"item_rel": {"opt": [1.9e-3, 1e-4]}}
+    assert validate(spec, _ItemRunner(spec, {0: 2e-3}), profile, "fp32", items=1, points=("opt",), baseline=base).ok
+    assert computed == [(1, 0)]
+    result = validate(spec, _ItemRunner(spec, {0: 3e-3}), profile, "fp32", items=1, points=("opt",), baseline=base)
+    assert not result.ok and computed[1:] == [(1, 0), (None, 1)] and "at opt exceeds" in result.why
     full = validate(spec, runner, profile, "fp32")  # the default: every item, every point
+    assert set(full.item_rel) == {"opt", "max"} and len(full.item_rel["opt"]) == 2  # what a copy is held to
     assert full.points == ["opt", "max"] and not validate(spec, _ItemRunner(spec, {1: 0.5}), profile, "fp32").ok
     with pytest.raises(ValueError, match="none of the points"):
         validate(spec, runner, Profile(batch=1, height=64, width=64), "fp32", points=("max",))
