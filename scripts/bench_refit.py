@@ -118,7 +118,8 @@ def _build(pipe, args, engine_dir: str) -> dict[str, Any]:
     return {"seconds": round(end - start, 1), "phases": phases.split(end),
             "per_component": {r.key.component: round(float(r.build_seconds or 0.0), 1) for r in records},
             "precision": records[0].key.precision,
-            "validation": {r.key.component: (r.validation or {}).get("rel_l2") for r in records}}
+            "validation": {r.key.component: (r.validation or {}).get("rel_l2") for r in records},
+            "item_rel": {r.key.component: (r.validation or {}).get("item_rel") for r in records}}
 
 
 # --------------------------------------------------------------------------- steps (each in its own process)
@@ -211,7 +212,8 @@ def _timed_refit(pipe) -> dict[str, Any]:
     first = phases.marks[0][0] if phases.marks else end
     # before the first message: the module's effective weights (base + LoRA deltas) are computed
     split.insert(0, ("computing the effective weights", round(first - start, 1)))
-    written = [line.split(": ", 1)[1] for line in said.lines if "weights differ from the engine's" in line]
+    written = [line.split(": ", 1)[1] if "weights differ" in line else line for line in said.lines
+               if "weights differ from the engine's" in line or "batch item" in line]
     return {"seconds": round(end - start, 1), "phases": split, "refitted": done, "peak_rss_gb": peak_rss_gb(),
             "written": written}
 
@@ -385,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in report["refit"][name].get("written", []):
             print(f"  {line}")
     print("build phases: " + "; ".join(f"{m} {s}" for m, s in report["build"]["phases"]))
+    print(f"build validation (relative L2, per batch item): {report['build'].get('item_rel')}")
     if "rebuild" in report:
         print("rebuild phases: " + "; ".join(f"{m} {s}" for m, s in report["rebuild"]["phases"]))
     print("accuracy (final latents, relative L2): " + ", ".join(f"{k} {v:.4f}" for k, v in report["accuracy"].items()))

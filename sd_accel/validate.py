@@ -249,6 +249,9 @@ def validate(
                 # is set for (and new engines are judged on) the whole batch: SD 1.5 (random
                 # weights) in bf16 at 512 px is 4.2e-2 over its batch of 2 and 5.7e-2 on item 0
                 # alone, against 5e-2. Before refusing, judge on every item, as a new engine is.
+                log.info("validation of %s: batch item(s) %s at %s off by %s (tolerance %.0e, base engine %s); "
+                         "judging on the whole batch", spec.name, list(range(len(per_item))), label,
+                         [f"{x:.2e}" for x in per_item], tol, base or "not recorded")
                 rest = reference(ref_module, feed, start=len(per_item))
                 ref = tuple(torch.cat(pair) for pair in zip(ref, rest, strict=True))
                 err_abs, err_rel, per_item, bad = _errors(names, got, ref)
@@ -256,6 +259,10 @@ def validate(
             if bad:
                 return Validation(math.inf, math.inf, checked, False, f"{bad} has NaN/inf at {label}", skipped)
             item_rel[label] = [round(x, 6) for x in per_item]
+            if items is not None:
+                log.info("validation of %s at %s: %s batch item(s) checked, relative error %s (tolerance %.0e, "
+                         "base engine %s)", spec.name, label, len(per_item), [f"{x:.2e}" for x in per_item], tol,
+                         base or "not recorded")
             if not within:
                 refused.append(f"relative error {err_rel:.2e} at {label} exceeds {tol:.0e} for {precision}")
             worst_abs, worst_rel = max(worst_abs, err_abs), max(worst_rel, err_rel)
