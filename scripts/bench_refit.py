@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -117,7 +118,8 @@ def _build(pipe, args, engine_dir: str) -> dict[str, Any]:
     return {"seconds": round(end - start, 1), "phases": phases.split(end),
             "per_component": {r.key.component: round(float(r.build_seconds or 0.0), 1) for r in records},
             "precision": records[0].key.precision,
-            "validation": {r.key.component: (r.validation or {}).get("rel_l2") for r in records}}
+            "validation": {r.key.component: (r.validation or {}).get("rel_l2") for r in records},
+            "item_rel": {r.key.component: (r.validation or {}).get("item_rel") for r in records}}
 
 
 # --------------------------------------------------------------------------- steps (each in its own process)
@@ -178,19 +180,42 @@ def step_reference(args) -> dict[str, Any]:
     return {"seconds": round(time.perf_counter() - start, 1)}
 
 
+class _Said(logging.Handler):
+    """The library's log lines during a refit (how many weights the written-weights path wrote)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _timed_refit(pipe) -> dict[str, Any]:
     from sd_accel import refit_engines
 
     phases = Phases()
+    said = _Said()
+    logger = logging.getLogger("sd_accel")
+    level = logger.level
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
     reset_peak()
     start = time.perf_counter()
-    done = refit_engines(pipe, progress=lambda ev: phases("", ev[2]))
+    try:
+        done = refit_engines(pipe, progress=lambda ev: phases("", ev[2]))
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
     end = time.perf_counter()
     split = phases.split(end)
     first = phases.marks[0][0] if phases.marks else end
     # before the first message: the module's effective weights (base + LoRA deltas) are computed
     split.insert(0, ("computing the effective weights", round(first - start, 1)))
-    return {"seconds": round(end - start, 1), "phases": split, "refitted": done, "peak_rss_gb": peak_rss_gb()}
+    written = [line.split(": ", 1)[1] if "weights differ" in line else line for line in said.lines
+               if "weights differ from the engine's" in line or "batch item" in line]
+    return {"seconds": round(end - start, 1), "phases": split, "refitted": done, "peak_rss_gb": peak_rss_gb(),
+            "written": written}
 
 
 def step_refit(args) -> dict[str, Any]:
@@ -359,7 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name in ("a", "b"):
         print(f"refit {name.upper()} phases: " + "; ".join(f"{m} {s}" for m, s in report["refit"][name]["phases"]))
+        for line in report["refit"][name].get("written", []):
+            print(f"  {line}")
     print("build phases: " + "; ".join(f"{m} {s}" for m, s in report["build"]["phases"]))
+    print(f"build validation (relative L2, per batch item): {report['build'].get('item_rel')}")
     if "rebuild" in report:
         print("rebuild phases: " + "; ".join(f"{m} {s}" for m, s in report["rebuild"]["phases"]))
     print("accuracy (final latents, relative L2): " + ", ".join(f"{k} {v:.4f}" for k, v in report["accuracy"].items()))

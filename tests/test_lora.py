@@ -469,6 +469,164 @@ def test_openvino_weight_map_places_every_linear_and_conv_weight(openvino_engine
     assert not (folder / "x").exists()
 
 
+def _patched_bin(folder, record, module, out, counts):
+    """engine.bin of the engine ``record`` patched to ``module``'s current weights, as refit does."""
+    from sd_accel.backends.openvino.weight_map import patch
+    from sd_accel.onnx.weights import effective_weights, onnx_values
+
+    (export,) = [p for p in (folder / "onnx").iterdir() if p.is_dir()]
+    files = patch(folder / record.name, record.files, onnx_values(export, effective_weights(module)), out,
+                  "engine.bin", counts)
+    assert files == list(record.files)
+    return (out / "engine.bin").read_bytes()
+
+
+@pytest.mark.slow
+def test_openvino_patch_writes_only_the_changed_weights_and_a_then_b_then_a_gives_a(
+        openvino_engines, lora_dir, lora_b, tmp_path):
+    import json
+
+    from sd_accel.backends.openvino.weight_map import MAP_FILE
+    from sd_accel.cache.store import EngineCache
+    from sd_accel.onnx.weights import slim_weights
+
+    folder, precisions = openvino_engines
+    (export,) = [p for p in (folder / "onnx").iterdir() if p.is_dir()]
+    torch_name = {w.onnx_name: w.torch_name for w in slim_weights(export)}
+    for precision in precisions:  # fp32 storage, and bf16's fp16 storage
+        record = next(r for r in EngineCache(folder).list() if r.key.precision == precision)
+        placed = json.loads((folder / record.name / MAP_FILE).read_text())["placed"]
+        base = (folder / record.name / "engine.bin").read_bytes()
+
+        def lora_weights(targets, placed=placed):
+            return sum(1 for n in placed if torch_name[n].endswith(tuple(f"{t}.weight" for t in targets)))
+
+        pipe = load_pipeline("builtin:tiny-sd15")
+        counts: dict = {}
+        assert _patched_bin(folder, record, pipe.unet, tmp_path / f"{precision}-base", counts) == base
+        assert counts == {"written": 0, "same": len(placed), "bytes_written": 0}  # the base: nothing written
+        pipe.load_lora_weights(lora_dir, adapter_name="a")
+        a = _patched_bin(folder, record, pipe.unet, tmp_path / f"{precision}-a", counts)
+        assert 0 < counts["written"] == lora_weights(UNET_TARGETS) < len(placed) / 2, counts
+        assert a != base
+        pipe.unload_lora_weights()
+        pipe.load_lora_weights(lora_b, adapter_name="b")
+        b = _patched_bin(folder, record, pipe.unet, tmp_path / f"{precision}-b", counts)
+        assert counts["written"] == lora_weights(["to_k", "to_v"]) and b not in (a, base)
+        pipe.unload_lora_weights()
+        pipe.load_lora_weights(lora_dir, adapter_name="a")
+        # A again, after B: A's engine to the byte (each patch starts from the base engine)
+        assert _patched_bin(folder, record, pipe.unet, tmp_path / f"{precision}-a2", counts) == a
+        # an edit through .data (no version counter moves) is seen: one weight written
+        pipe.unload_lora_weights()
+        with torch.no_grad():
+            pipe.unet.conv_in.weight.data[0, 0, 0, 0] += 1.0
+        _patched_bin(folder, record, pipe.unet, tmp_path / f"{precision}-edit", counts)
+        assert counts["written"] == 1, counts
+
+
+class _ItemRunner:
+    """Stands in for an engine: the torch module, with batch items of its outputs off by a
+    relative ``off[item]``."""
+
+    def __init__(self, spec, off=None) -> None:
+        self.spec, self.off, self.batches = spec, off or {}, []
+
+    def infer(self, feed):
+        self.batches.append(next(iter(feed.values())).shape[0])
+        with torch.no_grad():
+            out = self.spec.export_module()(*feed.values())
+        out = [o.clone() for o in (out if isinstance(out, tuple) else (out,))]
+        for o in out:
+            for i, f in self.off.items():
+                o[i] *= 1 + f
+        return dict(zip([t.name for t in self.spec.outputs()], out, strict=True))
+
+
+def test_validation_of_one_item_at_opt_runs_the_full_batch_and_compares_the_first_item(monkeypatch):
+    import sd_accel.validate as validation
+    from sd_accel.components import specs_for
+    from sd_accel.profiles import Profile
+
+    computed = []
+    real = validation.reference
+    monkeypatch.setattr(validation, "reference", lambda module, feed, items=None, start=0: computed.append(
+        (items, start)) or real(module, feed, items, start))
+    validate = validation.validate
+    spec = specs_for(load_pipeline("builtin:tiny-sd15"))["unet"]
+    profile = Profile(batch=(1, 1, 2), height=(64, 64, 96), width=(64, 64, 96))
+    runner = _ItemRunner(spec)
+    result = validate(spec, runner, profile, "fp32", items=1, points=("opt",))
+    assert result.ok and result.points == ["opt"] and runner.batches == [2]  # no max point; batch 2 (guidance)
+    assert computed == [(1, 0)]  # torch computed item 0 only
+    assert validate(spec, _ItemRunner(spec, {1: 0.5}), profile, "fp32", items=1, points=("opt",)).ok
+    computed.clear()
+    assert not validate(spec, _ItemRunner(spec, {0: 0.5}), profile, "fp32", items=1, points=("opt",)).ok
+    assert computed == [(1, 0), (None, 1)]  # off: judged on every item before refusing
+    # an item a little above the tolerance, the batch within it (one item's precision error varies,
+    # the tolerance is for the batch): accepted, as the full check accepts it
+    computed.clear()
+    assert validate(spec, _ItemRunner(spec, {0: 1.2e-3}), profile, "fp32", items=1, points=("opt",)).ok
+    assert computed == [(1, 0), (None, 1)]
+    # an item as close to torch as the base engine's same item was (its record: the baseline) passes
+    # without the rest of the batch; further off than that, the batch is judged
+    computed.clear()
+    base = {"item_rel": {"opt": [1.9e-3, 1e-4]}}
+    assert validate(spec, _ItemRunner(spec, {0: 2e-3}), profile, "fp32", items=1, points=("opt",), baseline=base).ok
+    assert computed == [(1, 0)]
+    result = validate(spec, _ItemRunner(spec, {0: 3e-3}), profile, "fp32", items=1, points=("opt",), baseline=base)
+    assert not result.ok and computed[1:] == [(1, 0), (None, 1)] and "at opt exceeds" in result.why
+    full = validate(spec, runner, profile, "fp32")  # the default: every item, every point
+    assert set(full.item_rel) == {"opt", "max"} and len(full.item_rel["opt"]) == 2  # what a copy is held to
+    assert full.points == ["opt", "max"] and not validate(spec, _ItemRunner(spec, {1: 0.5}), profile, "fp32").ok
+    with pytest.raises(ValueError, match="none of the points"):
+        validate(spec, runner, Profile(batch=1, height=64, width=64), "fp32", points=("max",))
+
+
+@pytest.mark.slow
+def test_openvino_fast_refit_checks_one_item_and_a_wrong_weight_sends_it_the_full_way(
+        openvino_engines, lora_dir, torch_images, monkeypatch, caplog):
+    """The written-weights refit is validated on one batch item at the opt shape; a weight
+    written wrong (here on purpose: one LoRA layer's weight off by half) fails that check, and the
+    refit goes the full way (convert + compile) and matches torch + LoRA."""
+    import sd_accel.validate as validation
+    from sd_accel import refit_engines
+    from sd_accel.onnx import weights as onnx_weights
+    from sd_accel.onnx.weights import slim_weights
+
+    folder, _ = openvino_engines
+    (export,) = [p for p in (folder / "onnx").iterdir() if p.is_dir()]
+    victim = next(w.onnx_name for w in slim_weights(export) if w.torch_name.endswith("to_out.0.weight"))
+    real_values, real_validate = onnx_weights.onnx_values, validation.validate
+    checks = []
+
+    def wrong_values(*args, **kwargs):
+        value = real_values(*args, **kwargs)
+        return lambda name: value(name) * 1.5 if name == victim else value(name)
+
+    def spy(*args, **kwargs):
+        result = real_validate(*args, **kwargs)
+        if args[3] == "fp32":  # (spec, runner, profile, precision): bf16's tolerance may let this one pass
+            checks.append((kwargs.get("items"), kwargs.get("points"), result.ok))
+        return result
+
+    monkeypatch.setattr(onnx_weights, "onnx_values", wrong_values)
+    monkeypatch.setattr(validation, "validate", spy)
+    pipe = accelerate(load_pipeline("builtin:tiny-sd15"), _config(folder), backend="openvino",
+                      engine_precision="fp32")
+    pipe.load_lora_weights(lora_dir, adapter_name="style")
+    events = []
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        refit_engines(pipe, progress=events.append)
+    said = [message for _, _, message in events]
+    assert checks == [(1, ("opt",), False), (None, None, True)], checks  # fast: one item, failed; full: all
+    assert "writing the current weights into the exported graph" in said and any("compiling" in m for m in said)
+    assert any("disagrees with torch" in r.getMessage() for r in caplog.records)
+    got = _generate(pipe)
+    assert stats(pipe)["unet"]["engine_calls"] == 2
+    assert np.abs(got - torch_images["lora"]).max() < 1e-3
+
+
 # --------------------------------------------------------------------------- LoRA scales (14.3)
 
 

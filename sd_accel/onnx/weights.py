@@ -154,6 +154,18 @@ def _array(value: torch.Tensor, target: Target, dtype: np.dtype) -> np.ndarray:
     return value.contiguous().reshape(target.shape).numpy().astype(dtype, copy=False)
 
 
+def _view(value: torch.Tensor, target: Target) -> np.ndarray:
+    """The float32 array in the ONNX layout, without copying where it can: a transposed one is a
+    strided view of the torch tensor (a consumer that wants torch's layout back, an engine that
+    stores the weight as torch does, transposes the view again for free)."""
+    value = value.detach().to("cpu", torch.float32)
+    if target.transpose:
+        value = value.t()
+    if tuple(value.shape) != tuple(target.shape):
+        value = value.reshape(target.shape)
+    return value.numpy()
+
+
 def replace_weights(model: onnx.ModelProto, targets: dict[str, Target], weights: dict[str, torch.Tensor]) -> int:
     """Write ``weights`` (torch names) into ``model``'s initializers (in place); the count written."""
     written = 0
@@ -296,7 +308,9 @@ def onnx_values(folder: Path, weights: dict[str, torch.Tensor], model_file: str 
     """``value(onnx_name)``: the float32 array (ONNX layout) an initializer of the export in
     ``folder`` holds with ``weights`` (torch names) in place of the export's own; the export's own
     value for an initializer that is not a weight; None for a name it does not know. Computed on
-    each call, so a caller walking a 3 GB graph holds one tensor at a time."""
+    each call, so a caller walking a 3 GB graph holds one tensor at a time. A weight's array is a
+    view of the torch tensor where it can be (a transposed one is strided, not contiguous); treat
+    it as read-only."""
     folder = Path(folder)
     model = onnx.load(str(folder / model_file), load_external_data=False)
     if is_slim(folder):
@@ -308,7 +322,7 @@ def onnx_values(folder: Path, weights: dict[str, torch.Tensor], model_file: str 
     def value(name: str) -> np.ndarray | None:
         target = targets.get(name)
         if target is not None and target.torch_name in weights:
-            return _array(weights[target.torch_name], target, np.dtype(np.float32))
+            return _view(weights[target.torch_name], target)
         init = inits.get(name)
         return None if init is None else numpy_helper.to_array(init, base_dir=str(folder))
 

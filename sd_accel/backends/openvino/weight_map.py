@@ -20,20 +20,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import shutil
+import warnings
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 log = logging.getLogger("sd_accel")
 
 MAP_FILE = "engine.weights.json"
 _PATCHABLE_OPS = {"MatMul", "Gemm", "Conv"}
 _STORAGE = {"f16": np.float16, "f32": np.float32}
+_TORCH_STORAGE = {"f16": torch.float16, "f32": torch.float32}
 
 
 def _digest(array: np.ndarray) -> str:
@@ -106,11 +110,26 @@ def _place(value: np.ndarray, constants: dict[tuple[str, int, bytes], list[int]]
     return None
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype hold the same bytes (bits, not values: -0.0 is not 0.0, a
+    NaN equals itself), compared as integers (torch compares fp16 several times slower)."""
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))
+
+
 def patch(engine_dir: Path, files: list[str], value: Callable[[str], np.ndarray | None], out_dir: Path,
-          weights_file: str) -> list[str] | None:
+          weights_file: str, counts: dict[str, int] | None = None) -> list[str] | None:
     """A copy of the engine in ``engine_dir`` with the weights ``value(onnx_name)`` (float32, in the
-    ONNX layout) written into its ``weights_file``: the engine's files in ``out_dir``, or None when
-    the engine has no map or a weight outside the map changed (the caller builds in full)."""
+    ONNX layout; a strided view is fine) written into its ``weights_file``: the engine's files in
+    ``out_dir``, or None when the engine has no map or a weight outside the map changed (the
+    caller builds in full).
+
+    Only the weights whose stored bytes differ from the engine's are written (a LoRA changes a few
+    layers): each new value is converted to its stored type and layout and compared with the
+    engine's bytes, so whatever changed is seen (a LoRA, a fused one, an edit through ``.data``,
+    ``load_state_dict``), and a weight back at its base value (LoRA A, then B, then A) is the
+    engine's again: the copy is always of the base engine, never of an earlier patch.
+    ``counts`` (optional) gets ``written``, ``same`` and ``bytes_written``."""
     engine_dir, out_dir = Path(engine_dir), Path(out_dir)
     map_path = engine_dir / MAP_FILE
     if MAP_FILE not in files or not map_path.is_file():
@@ -121,17 +140,35 @@ def patch(engine_dir: Path, files: list[str], value: Callable[[str], np.ndarray 
         if new is None or _digest(new) != digest:
             log.info("%s: %s changed and is folded into the compiled engine; refitting in full", engine_dir.name, name)
             return None
+    placed = table["placed"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(engine_dir / weights_file, out_dir / weights_file)
-    with open(out_dir / weights_file, "r+b") as f:
-        for name, spot in table["placed"].items():
+    base_path, out_path = engine_dir / weights_file, out_dir / weights_file
+    shutil.copyfile(base_path, out_path)  # the kernel copies (copy_file_range / sendfile)
+    largest = max((math.prod(s["shape"]) for s in placed.values()), default=0)
+    scratch = {element: torch.empty(largest, dtype=dtype) for element, dtype in _TORCH_STORAGE.items()
+               if any(s["element"] == element for s in placed.values())}
+    written = same = size = 0
+    with open(base_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob, \
+            open(out_path, "r+b") as out, warnings.catch_warnings():
+        # the engine's bytes, read in place: torch warns that the mapping is read-only (it is only read)
+        warnings.filterwarnings("ignore", "The given (NumPy array|buffer) is not writable")
+        for name, spot in placed.items():
             new = value(name)
             if new is None or list(new.shape) != spot["shape"]:
                 return None
-            stored = new.astype(_STORAGE[spot["element"]])
-            raw = np.ascontiguousarray(stored.T if spot["layout"] == "T" else stored).tobytes()
-            f.seek(spot["offset"])
-            f.write(raw)
+            source = torch.from_numpy(new)
+            if spot["layout"] == "T":  # the ONNX MatMul layout of a Linear's weight is a view of torch's own
+                source = source.t()
+            count = source.numel()
+            stored = scratch[spot["element"]][:count].view(source.shape)
+            stored.copy_(source)  # converted to the stored type, in the stored layout
+            engine = torch.frombuffer(blob, dtype=stored.dtype, count=count, offset=spot["offset"])
+            if _same_bits(stored.reshape(-1), engine):
+                same += 1
+                continue
+            os.pwrite(out.fileno(), stored.numpy(), spot["offset"])
+            written += 1
+            size += spot["size"]
     for name in files:
         if name == weights_file:
             continue
@@ -139,4 +176,8 @@ def patch(engine_dir: Path, files: list[str], value: Callable[[str], np.ndarray 
             os.link(engine_dir / name, out_dir / name)  # the compiled graph is read, never written
         except OSError:
             shutil.copyfile(engine_dir / name, out_dir / name)
+    log.info("%s: %d of %d weights differ from the engine's and were written (%.1f MB)", engine_dir.name, written,
+             len(placed), size / 1e6)
+    if counts is not None:
+        counts.update(written=written, same=same, bytes_written=size)
     return list(files)
