@@ -12,7 +12,9 @@ For each engine-backed module whose weights changed since its engines were built
    Where the backend can take new weights without compiling (OpenVINO float engines: their
    compiled blob reads the MatMul / Conv weights from ``engine.bin`` at load), a copy of the
    engine with those weights written in is made instead (seconds), validated, and used; a change
-   it cannot take (a bias, a norm scale: folded into the compiled blob) goes the full way:
+   it cannot take (a bias, a norm scale: folded into the compiled blob) goes the full way.
+   TensorRT engines (built refittable) take every weight by ONNX initializer name through
+   ``trt.Refitter`` the same way (checked on the stand-in TensorRT only: no GPU here). The full way:
 2. the backend builds from that graph the way it built the engine (ONNX Runtime: its optimized
    session at the engine's shapes; OpenVINO: convert and compile) into a scratch folder under
    ``<engines>/.refit`` that lives as long as the refitted engine (never in the index: the
