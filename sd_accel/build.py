@@ -188,6 +188,7 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
             extra["calibration"], holdout = split_holdout(calibration_for(spec, profile, cache.root))
         # Inside the slot: a crash leaves it where leftovers of this build are removed.
         with full_model(artifact, spec.torch_module(), slot.dir / ".onnx-source") as source:
+            release_torch_weights(spec)
             files = be.build(source, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m), **extra)
         result = None
         if validate_it:
@@ -207,6 +208,34 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
                              record_extra(artifact) if record_extra else {})
         tick(1.0, "done")
         return record
+
+
+def release_torch_weights(spec) -> int:
+    """Hand back the resident pages of the pipeline's torch weights while a backend builds from
+    the export: the export, the calibration runs and :func:`full_model` paged them in, and the
+    backend never reads them (SD 1.5 in fp32: 4 GB, beside a build that holds the converted model
+    and its compiled copy; an int8 build peaked at 15 GB with them resident). Weights mapped from
+    their files (diffusers and transformers load ``.safetensors`` that way) or parked by the
+    runtime load again from there on first use (the validation, a torch call); weights in
+    anonymous memory are left alone. Returns the bytes handed back."""
+    from sd_accel.runtime.weights import release, trim_heap
+    from sd_accel.units import format_size
+
+    modules = {id(m): m for m in (spec.torch_module(), *_pipeline_modules(getattr(spec, "pipe", None)))}
+    total = sum(release(m) for m in modules.values())
+    trim_heap()  # the calibration runs' activations, freed but kept by malloc
+    if total:
+        log.info("%s: %s of torch weights paged out for the backend build", spec.name, format_size(total))
+    return total
+
+
+def _pipeline_modules(pipe) -> list:
+    import torch
+
+    components = getattr(pipe, "components", None)
+    if not isinstance(components, dict):
+        return []
+    return [m for m in components.values() if isinstance(m, torch.nn.Module)]
 
 
 def _reporter(progress) -> Callable[[BuildEvent | None], None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +102,89 @@ def test_memory_mapped_weights_stay_in_their_file_and_hashing_leaves_them_out(tm
     assert not (tmp_path / weights.SPILL_DIR).exists()  # nothing written
     torch.testing.assert_close(module(torch.ones(1, 2048)), big(torch.ones(1, 2048)), rtol=0, atol=0)
     assert fingerprint(module) == fp
+
+
+def _mapped_rss_kb(path: Path) -> int:
+    """Resident KB of this process's mappings of the file ``path`` (/proc/self/smaps)."""
+    target, total, inside = os.path.realpath(path), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's first line
+            inside = len(head) == 6 and head[5] == target
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@needs_proc
+def test_release_file_hands_back_the_pages_of_every_mapping_of_a_file(tmp_path):
+    """What the OpenVINO build does with the export its converted model memory-maps."""
+    import mmap
+
+    data = np.random.default_rng(0).integers(0, 255, 32 << 20, dtype=np.uint8)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "model.onnx.data").write_bytes(data.tobytes())
+    with open(folder / "model.onnx.data", "rb") as fh:
+        maps = [mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) for _ in range(2)]
+    try:
+        views = [np.frombuffer(m, dtype=np.uint8) for m in maps]
+        assert all(int(v.sum()) == int(data.sum()) for v in views)  # read: every page resident
+        assert _mapped_rss_kb(folder / "model.onnx.data") > 0.8 * 2 * (32 << 10)
+        handed = weights.release_file(folder)  # a folder: the files under it
+        assert handed >= 0.99 * 2 * (32 << 20)
+        assert _mapped_rss_kb(folder / "model.onnx.data") < 0.1 * (32 << 10)
+        np.testing.assert_array_equal(views[1], data)  # read again from the file
+        assert weights.release_file(tmp_path / "elsewhere") == 0
+    finally:
+        del views
+        for m in maps:
+            m.close()
+
+
+@needs_proc
+@pytest.mark.slow
+def test_the_pipelines_torch_weights_are_paged_out_while_the_backend_builds(tmp_path, monkeypatch):
+    """The backend holds the converted model and its compiled copy; the torch weights beside it
+    (4 GB for SD 1.5) are paged out then, and back for the validation against torch."""
+    from sd_accel import validate as validate_module
+    from sd_accel.backends.onnxruntime import OnnxRuntimeBackend
+    from sd_accel.models.builtin import builtin_path
+
+    # A copy of its own: other pipelines of this test session map the builtin's files too, and a
+    # page mapped twice is not handed back. Synced: page-outs skip pages not yet on disk.
+    folder = Path(shutil.copytree(builtin_path("tiny-sd15"), tmp_path / "model"))
+    files = {name: next((folder / name).glob("*.safetensors")) for name in ("unet", "text_encoder")}
+    for f in files.values():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    pipe = load_pipeline(str(folder))
+    with torch.no_grad():
+        for name in files:
+            sum(float(p.sum()) for p in getattr(pipe, name).parameters())  # everything resident
+    resident = {name: _mapped_rss_kb(f) for name, f in files.items()}
+    assert all(kb > 0.8 * f.stat().st_size / 1024 for (name, kb), f in zip(resident.items(), files.values(),
+                                                                          strict=True))
+    seen = {}
+    real_build, real_validate = OnnxRuntimeBackend.build, validate_module.validate
+
+    def build(self, *args, **kwargs):
+        seen["build"] = {name: _mapped_rss_kb(f) for name, f in files.items()}
+        return real_build(self, *args, **kwargs)
+
+    def validate(*args, **kwargs):
+        result = real_validate(*args, **kwargs)
+        seen["validated"] = _mapped_rss_kb(files["unet"])
+        return result
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "build", build)
+    monkeypatch.setattr(validate_module, "validate", validate)
+    (rec,) = build_engines(pipe, profiles=[STATIC], components=["unet"], backend="onnxruntime", precision="fp32",
+                           engine_dir=tmp_path / "engines", progress=False)
+    for name, kb in seen["build"].items():
+        assert kb < 0.1 * resident[name], f"{name}: {kb} KB of {resident[name]} still resident during the build"
+    assert seen["validated"] > 0.5 * resident["unet"]  # the torch reference read them back from the file
+    assert rec.validation["ok"] and rec.validation["rel_l2"] < 1e-3
 
 
 def test_edits_after_parking_are_kept_even_when_pages_are_handed_back(tmp_path):

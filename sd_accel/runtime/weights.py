@@ -32,6 +32,7 @@ the process ends.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -40,7 +41,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,6 +177,57 @@ class PageDropper:
             self.dropped += _page_out(ptr, nbytes)
 
 
+def release_file(path: Path | str) -> int:
+    """Hand back the resident pages of every mapping of the file ``path`` (or of the files under
+    it, for a folder) in this process: a library (OpenVINO) that memory-mapped a model's weights
+    from it and copied them into its own buffers leaves them resident otherwise, counted in the
+    process's RSS. Returns the bytes advised. Data-safe: clean file pages are read again when
+    used."""
+    target = os.path.realpath(path)
+    total = 0
+    try:
+        with open("/proc/self/maps") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or parts[5].endswith(" (deleted)"):
+            continue
+        name = parts[5]
+        if name != target and not name.startswith(target.rstrip(os.sep) + os.sep):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        total += _page_out(lo, hi - lo)
+    return total
+
+
+@contextlib.contextmanager
+def kept_released(path: Path | str, every: float = 2.0) -> Iterator[None]:
+    """Within the block, every ``every`` seconds, hand back the resident pages of the mappings of
+    ``path`` (:func:`release_file`) and the heap memory malloc keeps after frees
+    (:func:`trim_heap`), from a background thread. For a library that reads memory-mapped
+    weights once to copy them (OpenVINO compiling, NNCF quantizing) and frees big buffers between
+    steps: neither stays counted in the process's RSS while the next step allocates. Pages still
+    in use are read again from the file (data-safe)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(every):
+            release_file(path)
+            trim_heap()
+
+    thread = threading.Thread(target=run, name="sd-accel-release", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        release_file(path)
+        trim_heap()
+
+
 def release(module: torch.nn.Module) -> int:
     """Hand back the resident pages of ``module``'s file-backed weights (after a fallback, an
     export or a validation paged them in); they load again from their files when used. Returns
@@ -253,7 +307,7 @@ def park(module: torch.nn.Module, folder: Path | str, label: str = "module") -> 
             return None
         anonymous.clear()
         storages = {}
-        _trim_heap()
+        trim_heap()
         if fingerprint is not None:
             remember_fingerprint(module, fingerprint)  # same values, new addresses: no rehash
     result = ParkedWeights(mapped, spilled, path, mapping, _signature(module))
@@ -312,7 +366,7 @@ def _map(path: Path, total: int) -> mmap.mmap:
     return mapping
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Hand freed heap memory back to the OS (glibc keeps it otherwise; smaller weights live there)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
