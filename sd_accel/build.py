@@ -218,7 +218,8 @@ def release_torch_weights(spec) -> int:
     their files (diffusers and transformers load ``.safetensors`` that way) or parked by the
     runtime load again from there on first use (the validation, a torch call); weights in
     anonymous memory are left alone. Returns the bytes handed back."""
-    from sd_accel.runtime.weights import release, trim_heap
+    from sd_accel.pages import trim_heap
+    from sd_accel.runtime.weights import release
     from sd_accel.units import format_size
 
     modules = {id(m): m for m in (spec.torch_module(), *_pipeline_modules(getattr(spec, "pipe", None)))}

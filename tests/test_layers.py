@@ -8,7 +8,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sd_accel"
 # Bottom to top, as README's Layout lists them. A layer is the first name under sd_accel.
-ORDER = ["core", "paths", "units", "profiles", "device", "models", "optimize", "samplers", "components", "onnx",
+ORDER = ["core", "paths", "units", "pages", "profiles", "device", "models", "optimize", "samplers", "components", "onnx",
          "backends", "cache", "runtime", "calibration", "validate", "build", "autobuild", "refit", "prompts", "config",
          "api", "generate",
          "ui", "bench", "serve", "cli_engines", "cli", "webui"]

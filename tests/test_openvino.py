@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
+import os
+import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,3 +206,54 @@ def test_int8_sdxl_unet_with_its_extra_conditioning_inputs(tmp_path):
                            precision="int8", components=["unet"], engine_dir=tmp_path, progress=False)
     assert rec.key.precision == "int8" and 0 < rec.validation["rel_l2"] <= 0.1
     assert {"text_embeds", "time_ids"} <= set(rec.shapes)  # calibrated on every UNet input
+
+
+def _resident_bytes_of(folder) -> int:
+    """Resident bytes of this process's mappings of the files under ``folder`` (/proc/self/smaps)."""
+
+    root, total, inside = os.path.realpath(folder) + os.sep, 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = len(head) >= 6 and head[5].startswith(root)
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps (not Linux)")
+def test_first_call_hands_back_the_mapped_weights_the_plugin_copied(built, monkeypatch):
+    """The CPU plugin copies a weightless blob's weights out of the mapped engine.bin on the first
+    call; the runner hands those pages back (they counted in RSS for nothing), and the engine
+    still computes the same."""
+
+    from sd_accel import EngineCache
+    from sd_accel.backends.openvino import runner as runner_mod
+
+    engine_dir, records = built
+    rec = next(r for r in records if r.key.component == "unet" and r.key.profile.startswith("static")
+               and r.key.precision == "fp32")
+    folder = EngineCache(engine_dir).engine_dir(rec.key)
+    feed = {"sample": torch.randn(2, 4, 8, 8), "timestep": torch.tensor([10.0, 10.0]),
+            "encoder_hidden_states": torch.randn(2, 77, rec.shapes["encoder_hidden_states"][0][2])}
+    size = (folder / "engine.bin").stat().st_size
+
+    def first_call(kept: bool) -> tuple[int, torch.Tensor]:
+        copy = engine_dir.parent / f"ov-mapped-{kept}"  # a folder of its own: pages no other runner maps
+        shutil.copytree(folder, copy)
+        os.sync()  # freshly written pages are dirty: a page-out skips them
+        if not kept:
+            monkeypatch.setattr(runner_mod, "kept_released", lambda *a, **k: contextlib.nullcontext())
+        runner = OpenVinoBackend().load(copy, rec.files, rec.shapes)
+        out = runner.infer(feed)["latent"]
+        resident = _resident_bytes_of(copy)
+        runner.close()
+        monkeypatch.undo()
+        return resident, out
+
+    left, before = first_call(kept=False)
+    handed, after = first_call(kept=True)
+    assert left > 0.5 * size, (left, size)  # without the hand-back the plugin leaves them resident
+    assert handed < 0.1 * size, (handed, size)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

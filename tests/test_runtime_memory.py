@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from sd_accel import AccelConfig, accelerate, build_engines, load_pipeline, stats
+from sd_accel import AccelConfig, accelerate, build_engines, load_pipeline, pages, stats
 from sd_accel.onnx.fingerprint import cached_fingerprint, fingerprint
 from sd_accel.runtime import weights
 from sd_accel.runtime.modules import EngineUNet
@@ -131,11 +131,11 @@ def test_release_file_hands_back_the_pages_of_every_mapping_of_a_file(tmp_path):
         views = [np.frombuffer(m, dtype=np.uint8) for m in maps]
         assert all(int(v.sum()) == int(data.sum()) for v in views)  # read: every page resident
         assert _mapped_rss_kb(folder / "model.onnx.data") > 0.8 * 2 * (32 << 10)
-        handed = weights.release_file(folder)  # a folder: the files under it
+        handed = pages.release_file(folder)  # a folder: the files under it
         assert handed >= 0.99 * 2 * (32 << 20)
         assert _mapped_rss_kb(folder / "model.onnx.data") < 0.1 * (32 << 10)
         np.testing.assert_array_equal(views[1], data)  # read again from the file
-        assert weights.release_file(tmp_path / "elsewhere") == 0
+        assert pages.release_file(tmp_path / "elsewhere") == 0
     finally:
         del views
         for m in maps:

@@ -32,23 +32,19 @@ the process ends.
 from __future__ import annotations
 
 import bisect
-import contextlib
-import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
 import shutil
-import sys
 import tempfile
-import threading
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from sd_accel.pages import page_out as _page_out
+from sd_accel.pages import trim_heap
 from sd_accel.units import format_size
 
 log = logging.getLogger("sd_accel")
@@ -57,10 +53,6 @@ SPILL_DIR = ".spill"  # under the engine cache root; never an engine folder name
 _ALIGN = 4096  # each spilled storage starts on a page: page-outs and SIMD loads both like it
 _SPACE_MARGIN = 1 << 30  # leave this much of the disk free
 _ATTR = "_sd_accel_parked"
-# MADV_PAGEOUT (Linux >= 5.4): reclaim a range; anonymous pages go to swap (or stay), clean file
-# pages are dropped, dirty ones written back. Never loses data, unlike MADV_DONTNEED.
-_MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform.startswith("linux") else None)
-_PAGE = mmap.PAGESIZE
 
 
 @dataclass
@@ -136,29 +128,6 @@ class FileMaps:
         return i >= 0 and ptr + nbytes <= self.ends[i]
 
 
-def _libc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc() if _MADV_PAGEOUT is not None else None
-
-
-def _page_out(ptr: int, nbytes: int) -> int:
-    """Hand back the whole pages of a file-backed range; the bytes advised (0 if unsupported)."""
-    if _LIBC is None:
-        return 0
-    lo = (ptr + _PAGE - 1) // _PAGE * _PAGE
-    hi = (ptr + nbytes) // _PAGE * _PAGE
-    if hi <= lo or _LIBC.madvise(lo, hi - lo, _MADV_PAGEOUT) != 0:
-        return 0
-    return hi - lo
-
-
 class PageDropper:
     """``dropper(tensor)``: hand back the resident pages of ``tensor``'s storage if it is
     memory-mapped from a file (anonymous memory is never touched). For hashing a model one
@@ -175,57 +144,6 @@ class PageDropper:
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes and self.maps.holds(ptr, nbytes):
             self.dropped += _page_out(ptr, nbytes)
-
-
-def release_file(path: Path | str) -> int:
-    """Hand back the resident pages of every mapping of the file ``path`` (or of the files under
-    it, for a folder) in this process: a library (OpenVINO) that memory-mapped a model's weights
-    from it and copied them into its own buffers leaves them resident otherwise, counted in the
-    process's RSS. Returns the bytes advised. Data-safe: clean file pages are read again when
-    used."""
-    target = os.path.realpath(path)
-    total = 0
-    try:
-        with open("/proc/self/maps") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return 0
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6 or parts[5].endswith(" (deleted)"):
-            continue
-        name = parts[5]
-        if name != target and not name.startswith(target.rstrip(os.sep) + os.sep):
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        total += _page_out(lo, hi - lo)
-    return total
-
-
-@contextlib.contextmanager
-def kept_released(path: Path | str, every: float = 2.0) -> Iterator[None]:
-    """Within the block, every ``every`` seconds, hand back the resident pages of the mappings of
-    ``path`` (:func:`release_file`) and the heap memory malloc keeps after frees
-    (:func:`trim_heap`), from a background thread. For a library that reads memory-mapped
-    weights once to copy them (OpenVINO compiling, NNCF quantizing) and frees big buffers between
-    steps: neither stays counted in the process's RSS while the next step allocates. Pages still
-    in use are read again from the file (data-safe)."""
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.wait(every):
-            release_file(path)
-            trim_heap()
-
-    thread = threading.Thread(target=run, name="sd-accel-release", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        release_file(path)
-        trim_heap()
 
 
 def release(module: torch.nn.Module) -> int:
@@ -364,12 +282,3 @@ def _map(path: Path, total: int) -> mmap.mmap:
     except OSError:  # Windows cannot unlink a mapped file: remove it once the map is gone
         weakref.finalize(mapping, lambda p=path: p.unlink(missing_ok=True))
     return mapping
-
-
-def trim_heap() -> None:
-    """Hand freed heap memory back to the OS (glibc keeps it otherwise; smaller weights live there)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass

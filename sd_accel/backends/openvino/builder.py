@@ -40,7 +40,7 @@ from sd_accel.backends.base import BackendInfo
 from sd_accel.backends.openvino.weight_map import MAP_FILE, patch, write_map
 from sd_accel.core import EngineError, Progress, ShapeRanges
 from sd_accel.device import cpu_class, cpu_flags
-from sd_accel.runtime.weights import kept_released, release_file
+from sd_accel.pages import kept_released, release_file
 
 if TYPE_CHECKING:
     from sd_accel.core import CalibrationSet
@@ -202,4 +202,4 @@ class OpenVinoBackend:
             raise EngineError(
                 f"OpenVINO could not load the engine in {engine_dir} ({exc}); delete it and build again"
             ) from exc
-        return OpenVinoRunner(compiled, shapes)
+        return OpenVinoRunner(compiled, shapes, mapped=engine_dir if meta.get("weights") else None)
