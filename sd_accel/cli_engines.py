@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from sd_accel.config import BACKENDS, ENGINE_PRECISIONS
-from sd_accel.core import InvalidValue
+from sd_accel.core import BuildCancelled, InvalidValue
 
 COMPONENT_ALIASES = {
     "clip": ("clip", "clip2"),
@@ -62,6 +67,35 @@ def _profiles(args: argparse.Namespace):
 _KEEP_ONNX = {"graph": "graph", "all": True, "none": False}  # --keep-onnx -> build_engines(keep_onnx=)
 
 
+@contextlib.contextmanager
+def _ctrl_c_cancels() -> Iterator[threading.Event]:
+    """Ctrl-C during a build sets the build's cancel event instead of raising in whatever code
+    runs then: the build stops at its next step and keeps nothing partial, and the command ends as
+    interrupted (130). A KeyboardInterrupt raised inside a native library's call can be swallowed
+    there (a CI run once saw a Ctrl-C during an OpenVINO build lost, and the build ran to the
+    end); an event cannot. A second Ctrl-C stops at once."""
+    cancel = threading.Event()
+
+    def on_sigint(signum, frame) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+        print("sd-accel: stopping the build after its current step (Ctrl-C again to stop now)",
+              file=sys.stderr, flush=True)
+
+    main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGINT, on_sigint) if main else None
+    try:
+        yield cancel
+    except BuildCancelled:
+        raise KeyboardInterrupt from None
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    if cancel.is_set():  # it came after the last step: the engines are whole, the user still asked to stop
+        raise KeyboardInterrupt
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     from sd_accel import build_engines, load_pipeline
     from sd_accel.build import engine_components
@@ -70,9 +104,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
     pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
     components = _components(args.components, engine_components(pipe))
     start = time.perf_counter()
-    records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,
-                            components=components, engine_dir=args.engine_dir, progress=not args.json,
-                            keep_onnx=_KEEP_ONNX[args.keep_onnx])
+    with _ctrl_c_cancels() as cancel:
+        records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,
+                                components=components, engine_dir=args.engine_dir, progress=not args.json,
+                                keep_onnx=_KEEP_ONNX[args.keep_onnx], cancel=cancel)
     took = time.perf_counter() - start
     rows = [_row(r) for r in records]
     if args.json:
