@@ -113,7 +113,7 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
     source = _artifact(cache_root, record)
     folder = _scratch(cache_root, record.key.name)
     try:
-        runner = _patched(handle, weights, spec, source.parent, folder / "patched", progress)
+        runner = _patched(handle, weights, spec, source.parent, folder / "patched", progress, validate_it)
         if runner is not None:
             progress(1.0, "refitted")
             return RefittedRunner(runner, folder, record.key.model)
@@ -145,12 +145,13 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
 
 
 def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: Path,
-             progress: Callable[[float, str], None]):
+             progress: Callable[[float, str], None], validate_it: bool = True):
     """The fast refit, where the backend can write new weights into a copy of the engine without
     compiling (OpenVINO: its compiled engine reads the MatMul / Conv weights from engine.bin at
     load, so a LoRA needs a patched copy of that file): a validated runner, or None when the
     backend cannot (a bias or norm changed, an older engine) or the result disagrees with torch,
-    and the full refit runs. Always validated: it relies on how the backend loads its engine."""
+    and the full refit runs. Validated unless ``validate_it`` is False (the caller's
+    ``validate=False``, as for the full refit): it relies on how the backend loads its engine."""
     from sd_accel.onnx.weights import onnx_values
     from sd_accel.profiles import Profile
     from sd_accel.validate import validate
@@ -165,6 +166,9 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
         shutil.rmtree(out, ignore_errors=True)
         return None
     runner = handle.backend.load(out, files, handle.shapes)
+    if not validate_it:
+        log.warning("%s: engine refitted by writing its weights, not validated (validate=False)", record.key.name)
+        return runner
     progress(0.5, "validating against torch (one batch item, opt shape)")
     # Narrower than a new engine's check, and as sound for what can go wrong here: the graph and
     # the compiled blob are the base engine's (validated when it was built, at every point and

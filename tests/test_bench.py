@@ -99,3 +99,23 @@ def test_profile_writes_a_chrome_trace(report, capsys):
 def test_unknown_variant_is_refused():
     with pytest.raises(SystemExit, match="unknown variants"):
         main(["--tiny", "--variants", "nope"])
+
+
+def test_rounds_run_every_row_again_in_turn_and_report_its_median_round(tmp_path):
+    """``--rounds``: after the first pass every row runs again, in turn; each row reports its
+    median round, the spread over all rounds and the highest peak RAM."""
+    from sd_accel.bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(model="builtin:tiny-sd15", device="cpu", height=64, width=64, steps=2, repeats=1, rounds=3,
+                      engine_dir=str(tmp_path / "engines"), out_dir=str(tmp_path / "out"))
+    said: list[str] = []
+    report = run_bench(cfg, ["diffusers", "sd-accel-torch"], inprocess=True, log=said.append)
+    rounds = [line for line in said if "round" in line]
+    assert rounds == [f"[bench] {v}: round {n} of 3" for n in (2, 3) for v in ("diffusers", "sd-accel-torch")]
+    for row in report["rows"]:
+        times = [float(t) for t in row["notes"].split("s/image ")[-1].split("/")]
+        assert "median of 3 rounds" in row["notes"] and len(times) == 3
+        assert f"{row['s_per_image']:.2f}" == f"{sorted(times)[1]:.2f}"
+        lo, hi = row["s_per_image_spread"]
+        assert lo <= min(times) + 0.005 and hi >= max(times) - 0.005  # notes round to 10 ms
+    assert report["rows"][1]["e2e_speedup"] == report["rows"][0]["s_per_image"] / report["rows"][1]["s_per_image"]

@@ -627,6 +627,34 @@ def test_openvino_fast_refit_checks_one_item_and_a_wrong_weight_sends_it_the_ful
     assert np.abs(got - torch_images["lora"]).max() < 1e-3
 
 
+def test_openvino_fast_refit_with_validate_false_runs_no_check_and_says_so(
+        openvino_engines, lora_dir, torch_images, monkeypatch, caplog):
+    """``validate=False`` is the caller's to give for the written-weights refit as for the full one:
+    no torch reference is computed, the log says the engine was not validated, and the weights are
+    the LoRA's all the same."""
+    import sd_accel.validate as validation
+    from sd_accel import refit_engines
+
+    folder, _ = openvino_engines
+    checks = []
+    real_validate = validation.validate
+    monkeypatch.setattr(validation, "validate", lambda *a, **k: checks.append(a[3]) or real_validate(*a, **k))
+    pipe = accelerate(load_pipeline("builtin:tiny-sd15"), _config(folder), backend="openvino",
+                      engine_precision="fp32")
+    pipe.load_lora_weights(lora_dir, adapter_name="style")
+    events = []
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        refit_engines(pipe, progress=events.append, validate=False)
+    said = [message for _, _, message in events]
+    assert checks == []
+    assert "writing the current weights into a copy of the engine" in said
+    assert not any("compiling" in m for m in said)  # the fast path, not a rebuild
+    assert any("not validated (validate=False)" in r.getMessage() for r in caplog.records)
+    got = _generate(pipe)
+    assert stats(pipe)["unet"]["engine_calls"] == 2 and stats(pipe)["unet"]["torch_calls"] == 0
+    assert np.abs(got - torch_images["lora"]).max() < 1e-3
+
+
 # --------------------------------------------------------------------------- LoRA scales (14.3)
 
 
