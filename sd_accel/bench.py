@@ -482,7 +482,8 @@ def _more_rounds(cfg: BenchConfig, rows: list[RowResult], runs: dict[str, list[d
     """Rounds 2..N: every row that ran runs again, in turn, so that each row sees the machine's
     slow and fast spells alike (a shared 2-core VM's speed swings by up to 2x for minutes: rows
     run one after the other in one pass can land in different spells). Each row then reports its
-    median round (by s/image), with the spreads over all rounds and the highest peak RAM."""
+    median round by s/image (the faster of the two middle ones for an even count: 2 rounds give
+    each row's faster round), with the spreads over all rounds and the highest peak RAM."""
     for n in range(2, cfg.rounds + 1):
         for row in rows:
             if row.skipped or row.variant not in runs:
@@ -770,7 +771,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=int, default=None, help="image side in px (default 256 on CPU, 512 on CUDA)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per row (default 3)")
     p.add_argument("--rounds", type=int, default=1, help="passes over all rows, in turn (default 1); each row "
-                   "reports its median round: on a machine whose speed drifts (a shared VM), use 3 or more")
+                   "reports its median round (the faster middle one for an even count): on a machine whose "
+                   "speed drifts (a shared VM), use 3 or more")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--variants", default=None,
                    help=f"comma list; default on CPU: {','.join(CPU_VARIANTS)}; on CUDA: {','.join(CUDA_VARIANTS)}")
