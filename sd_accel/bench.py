@@ -485,17 +485,15 @@ def _more_rounds(cfg: BenchConfig, rows: list[RowResult], runs: dict[str, list[d
     median round by s/image (the faster of the two middle ones for an even count: 2 rounds give
     each row's faster round), with the spreads over all rounds and the highest peak RAM."""
     for n in range(2, cfg.rounds + 1):
-        for row in rows:
-            if row.skipped or row.variant not in runs:
-                continue
-            log(f"[bench] {row.variant}: round {n} of {cfg.rounds}")
+        for variant, done in runs.items():  # the rows that ran (skipped and failed rows have none)
+            log(f"[bench] {variant}: round {n} of {cfg.rounds}")
             try:
-                runs[row.variant].append(_worker("run", cfg, row.variant, work, inprocess))
+                done.append(_worker("run", cfg, variant, work, inprocess))
             except Exception as exc:
-                log(f"[bench] {row.variant}: round {n} failed: {exc}")
+                log(f"[bench] {variant}: round {n} failed: {exc}")
     for row in rows:
         done = runs.get(row.variant, [])
-        if row.skipped or len(done) < 2:
+        if len(done) < 2:
             continue
         median = sorted(done, key=lambda r: r.get("s_per_image") or math.inf)[(len(done) - 1) // 2]
         _fill(row, median)
