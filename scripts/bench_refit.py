@@ -16,7 +16,8 @@ One run, each step in its own process (so each peak RSS, /proc/self/status VmHWM
 4. ``refit``: the pipeline accelerated on those engines, ``load_lora_weights(A)``, timed
    ``refit_engines(pipe)`` (validation included), latents on the refitted engine; then the usual
    switch (``unload_lora_weights``, ``load_lora_weights(B)``, ``refit_engines``) timed the same
-   way. Each refit's phases come from its progress messages; the peak RSS of each refit is its own
+   way, then back to A with ``refit_engines(pipe, validate=False)`` (no check against torch: what
+   the weights cost on their own). Each refit's phases come from its progress messages; the peak RSS of each refit is its own
    (VmHWM reset through /proc/self/clear_refs before it).
 5. ``rebuild``: what a user without refit does: A fused into the UNet (``fuse_lora``,
    ``unload_lora_weights``), ``build_engines`` again into the same folder (the text encoder's
@@ -191,7 +192,7 @@ class _Said(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _timed_refit(pipe) -> dict[str, Any]:
+def _timed_refit(pipe, validate: bool = True) -> dict[str, Any]:
     from sd_accel import refit_engines
 
     phases = Phases()
@@ -203,7 +204,7 @@ def _timed_refit(pipe) -> dict[str, Any]:
     reset_peak()
     start = time.perf_counter()
     try:
-        done = refit_engines(pipe, progress=lambda ev: phases("", ev[2]))
+        done = refit_engines(pipe, validate=validate, progress=lambda ev: phases("", ev[2]))
     finally:
         logger.removeHandler(said)
         logger.setLevel(level)
@@ -239,6 +240,12 @@ def step_refit(args) -> dict[str, Any]:
     out["load_lora_b_s"] = round(time.perf_counter() - t, 1)
     out["b"] = _timed_refit(pipe)
     np.save(work / "engine-b.npy", _latents(pipe, args))
+    # The refit without its check: what the weights cost on their own. The engine's first inference
+    # (weights repacked on first use), which the check pays above, moves into the next generation.
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(work / "lora-a", adapter_name="a")
+    out["a_unchecked"] = _timed_refit(pipe, validate=False)
+    np.save(work / "engine-a-unchecked.npy", _latents(pipe, args))
     s = stats(pipe)
     out["unet_calls"] = {k: s["unet"].get(k) for k in ("engine_calls", "torch_calls")}
     out["unet_fallbacks"] = s["unet"].get("fallbacks")
@@ -283,7 +290,7 @@ def accuracy(work: Path) -> dict[str, float]:
     """Relative L2 of the final latents: engine vs torch with the same LoRA, and how far the
     LoRA moves torch (so that a small error means the LoRA is in the engine)."""
     load = {n: np.load(work / f"{n}.npy") for n in ("torch-base", "torch-a", "torch-b", "engine-base", "engine-a",
-                                                    "engine-b")}
+                                                    "engine-b", "engine-a-unchecked")}
     return {
         "engine_base_vs_torch_base": rel_l2(load["engine-base"], load["torch-base"]),
         "engine_a_vs_torch_a": rel_l2(load["engine-a"], load["torch-a"]),
@@ -291,6 +298,9 @@ def accuracy(work: Path) -> dict[str, float]:
         "torch_a_vs_torch_base": rel_l2(load["torch-a"], load["torch-base"]),
         "torch_b_vs_torch_a": rel_l2(load["torch-b"], load["torch-a"]),
         "engine_a_vs_torch_base": rel_l2(load["engine-a"], load["torch-base"]),
+        # A after B without the check: A's engine again (the refit writes full weights, never deltas)
+        "engine_a_unchecked_vs_torch_a": rel_l2(load["engine-a-unchecked"], load["torch-a"]),
+        "engine_a_unchecked_vs_engine_a": rel_l2(load["engine-a-unchecked"], load["engine-a"]),
     }
 
 
@@ -314,6 +324,9 @@ def table(r: dict[str, Any]) -> str:
         ("**refit_engines(pipe), switch to B**", refit["b"]["seconds"], ratio(refit["b"]["seconds"]),
          refit["b"]["peak_rss_gb"]),
     ]
+    if "a_unchecked" in refit:
+        rows.append(("refit_engines(pipe, validate=False), back to A (no check)", refit["a_unchecked"]["seconds"],
+                     ratio(refit["a_unchecked"]["seconds"]), refit["a_unchecked"]["peak_rss_gb"]))
     if rebuild:
         rows.append(("rebuild with A fused (fuse, build_engines; text encoder cached)", rebuild["seconds"],
                      f"{rebuild['seconds'] / unet_rebuild:.2f}", rebuild["peak_rss_gb"]))
@@ -382,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
           f"LoRA rank {args.rank} on {','.join(TARGETS)} (|delta|/|W| = {args.strength}); total {report['total_s']} s\n")
     print(table(report))
     print()
-    for name in ("a", "b"):
+    for name in ("a", "b", "a_unchecked"):
         print(f"refit {name.upper()} phases: " + "; ".join(f"{m} {s}" for m, s in report["refit"][name]["phases"]))
         for line in report["refit"][name].get("written", []):
             print(f"  {line}")
