@@ -784,7 +784,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help="builtin:tiny-sd15 at 64 px, 3 steps: a smoke run in seconds")
     p.add_argument("--quick", action="store_true", help="1 timed run of 5 steps per row")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default 20)")
-    p.add_argument("--size", type=int, default=None, help="image side in px (default 256 on CPU, 512 on CUDA)")
+    p.add_argument("--size", type=int, default=None, help="image side in px (default 256 on CPU, 512 on CUDA; 1024 with --arch sdxl)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per row (default 3)")
     p.add_argument("--rounds", type=int, default=1, help="passes over all rows, in turn (default 1); each row "
                    "reports its median round (the faster middle one for an even count): on a machine whose "
