@@ -3,6 +3,7 @@
 
     python scripts/bench.py                  # SD 1.5 architecture, 256 px on CPU / 512 px on CUDA
     python scripts/bench.py --tiny           # builtin:tiny-sd15, a smoke run in seconds
+    python scripts/bench.py --arch sdxl --steps 2 --repeats 1   # SDXL architecture at 1024 px (minutes per UNet call on CPU)
     python scripts/bench.py --model path/to/model.safetensors --steps 20 --size 512 --profile
 
 The rows ``optimum-intel-default`` and ``optimum-intel-hybrid-int8`` (what CPU users run today)

@@ -47,7 +47,7 @@ PROMPT = "a photograph of an astronaut riding a horse on mars, highly detailed"
 CPU_VARIANTS = ("diffusers", "sd-accel-torch", "ort-fp32", "openvino-fp32", "openvino-bf16", "openvino-int8",
                 "ort-int8", "ort-int8-dynamic", "optimum-intel-default", "optimum-intel-hybrid-int8")
 CUDA_VARIANTS = ("diffusers", "sd-accel-torch", "tensorrt-fp16")
-ENGINE_COMPONENTS = ("clip", "unet", "vae_decoder")
+ENGINE_COMPONENTS = ("clip", "clip2", "unet", "vae_decoder")  # those the pipeline has (clip2: SDXL)
 # variant -> (backend, precision) for engine rows
 ENGINES = {
     "ort-fp32": ("onnxruntime", "fp32"),
@@ -60,7 +60,7 @@ ENGINES = {
 }
 # INT8 rows quantize the UNet only; CLIP and the VAE decoder run as float engines of the same
 # backend (ONNX Runtime fp32; OpenVINO bf16 where the CPU has it, else fp32).
-INT8_SUPPORT = ("clip", "vae_decoder")
+INT8_SUPPORT = ("clip", "clip2", "vae_decoder")
 SHARED_ONNX = "onnx-shared"
 # optimum-intel rows: variant -> scripts/bench_optimum.py --mode. They run in their own venv.
 OPTIMUM = {"optimum-intel-default": "default", "optimum-intel-hybrid-int8": "hybrid-int8"}
@@ -71,6 +71,8 @@ OPTIMUM_SETUP = ('python -m venv .venv-optimum && .venv-optimum/bin/pip install 
                  '"optimum-intel[openvino,nncf,diffusers]==2.2.0" "diffusers==0.39.0" '
                  "&& .venv-optimum/bin/pip uninstall -y torchvision")
 TE_PREFIX = "text_model."
+# --arch: the family whose shipped configs (sd_accel/models/configs/<family>) the default model has
+ARCHS = ("sd15", "sdxl")
 
 
 @dataclass
@@ -143,7 +145,7 @@ class _Timer:
         return time.perf_counter()
 
     def __enter__(self) -> _Timer:
-        for name, module in (("clip", self._pipe.text_encoder), ("unet", self._pipe.unet)):
+        for name, module in _timed_modules(self._pipe):
             self._handles.append(module.register_forward_pre_hook(lambda *_a, _n=name: self._start(_n)))
             self._handles.append(module.register_forward_hook(lambda *_a, _n=name: self._stop(_n)))
         vae = self._pipe.vae
@@ -179,6 +181,12 @@ class _Timer:
     def reset(self) -> None:
         for v in self.times.values():
             v.clear()
+
+
+def _timed_modules(pipe) -> list[tuple[str, Any]]:
+    """(timer name, module): both text encoders of SDXL count as CLIP (they run one after the other)."""
+    encoders = [m for m in (getattr(pipe, "text_encoder", None), getattr(pipe, "text_encoder_2", None)) if m is not None]
+    return [*(("clip", m) for m in encoders), ("unet", pipe.unet)]
 
 
 def _generate(pipe, cfg: BenchConfig, steps: int):
@@ -295,16 +303,17 @@ def _du_gb(*paths: Path) -> float:
     return round(sum(f.stat().st_size for f in files) / 2**30, 3)
 
 
-def _engine_jobs(variant: str) -> list[tuple[str, str, list[str]]]:
-    """(backend, precision, components) builds a row needs."""
+def _engine_jobs(variant: str, available: Sequence[str] = ENGINE_COMPONENTS) -> list[tuple[str, str, list[str]]]:
+    """(backend, precision, components) builds a row needs, of the ``available`` components (the
+    pipeline's: SD 1.x has no ``clip2``)."""
     backend, precision = ENGINES[variant]
     if precision.startswith("int8"):
         # the float components of an INT8 row: the same backend at its default float precision
         from sd_accel.backends.registry import create
 
         floats = create(backend).default_precision()
-        return [(backend, precision, ["unet"]), (backend, floats, list(INT8_SUPPORT))]
-    return [(backend, precision, list(ENGINE_COMPONENTS))]
+        return [(backend, precision, ["unet"]), (backend, floats, [c for c in INT8_SUPPORT if c in available])]
+    return [(backend, precision, [c for c in ENGINE_COMPONENTS if c in available])]
 
 
 def row_engine_dir(cfg: BenchConfig, variant: str) -> str:
@@ -332,12 +341,13 @@ def load_model(cfg: BenchConfig):
 def build_row(cfg: BenchConfig, variant: str) -> dict[str, Any]:
     """Build (or find in the cache) the engines of one row; returns seconds, peak RAM, errors."""
     from sd_accel import build_engines
+    from sd_accel.build import engine_components
 
     pipe = load_model(cfg)
     profile = dict(batch=1, height=cfg.height, width=cfg.width)
     start = time.perf_counter()
     built_s, errors = 0.0, {}
-    for backend, precision, components in _engine_jobs(variant):
+    for backend, precision, components in _engine_jobs(variant, engine_components(pipe)):
         records = build_engines(pipe, profiles=[profile], backend=backend, precision=precision,
                                 components=components, engine_dir=row_engine_dir(cfg, variant), progress=False)
         for r in records:
@@ -427,7 +437,7 @@ def _profile(pipe, cfg: BenchConfig, variant: str, timer: _Timer) -> str:
     path = Path(cfg.out_dir) / f"trace-{variant}.json"
     with profile(activities=activities) as prof, record_function(f"sd-accel:{variant}"):
         handles = []
-        for name, module in (("clip", pipe.text_encoder), ("unet", pipe.unet)):
+        for name, module in _timed_modules(pipe):
             ctx: dict[str, Any] = {}
             handles.append(module.register_forward_pre_hook(
                 lambda *_a, _n=name, _c=ctx: _c.__setitem__("r", _enter(f"sd-accel:{_n}"))))
@@ -706,19 +716,23 @@ def _json_default(value: Any) -> Any:
 # ---- defaults and the command line ---------------------------------------------------------
 
 
-def default_model() -> str:
-    """The SD 1.5 architecture with random weights (its real configs), built once into the cache."""
+def default_model(arch: str = "sd15") -> str:
+    """The ``arch`` architecture (a family of ``sd_accel.models.families``: ``sd15``, ``sdxl``)
+    with random weights from its shipped configs, built once into ``<cache>/bench/<arch>-random-seed0``
+    (fp32 safetensors: the rows load it memory-mapped, as they would a downloaded model)."""
     from filelock import FileLock
 
+    from sd_accel.models.families import get_family
     from sd_accel.paths import cache_dir
 
-    dest = cache_dir() / "bench" / "sd15-random-seed0"
+    family = get_family(arch)  # says which families exist when arch is none of them
+    dest = cache_dir() / "bench" / f"{arch}-random-seed0"
     with FileLock(str(dest) + ".lock"):
         if not (dest / "model_index.json").exists():
             from sd_accel.models.components import random_pipeline
-            from sd_accel.models.families import FAMILIES, load_family_configs
+            from sd_accel.models.families import load_family_configs
 
-            _save_model(random_pipeline(load_family_configs(FAMILIES["sd15"]), seed=0), dest)
+            _save_model(random_pipeline(load_family_configs(family), seed=0), dest)
         else:
             prefix_text_encoder(dest / "text_encoder")  # folders saved before the prefix was added
     return str(dest)
@@ -731,7 +745,9 @@ def _save_model(pipe, dest: Path) -> None:
 
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp, safe_serialization=True)
+    # 2 GB shards: safetensors copies a shard into bytes to write it, and SDXL's fp32 UNet (10 GB)
+    # in one go would double the 14 GB the random pipeline already holds
+    pipe.save_pretrained(tmp, safe_serialization=True, max_shard_size="2GB")
     prefix_text_encoder(tmp / "text_encoder")
     tmp.rename(dest)
 
@@ -763,10 +779,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench options (shared by ``scripts/bench.py`` and ``sd-accel bench``)."""
     p.add_argument("--model", default=None, help="a checkpoint, diffusers folder or builtin:NAME "
                    "(default: the SD 1.5 architecture with random weights, built once and cached)")
+    p.add_argument("--arch", choices=ARCHS, default="sd15", help="architecture of the default model (random weights "
+                   "from its real configs): sd15 (default) or sdxl (1024 px by default); with --tiny, builtin:tiny-<arch>")
     p.add_argument("--tiny", action="store_true", help="builtin:tiny-sd15 at 64 px, 3 steps: a smoke run in seconds")
     p.add_argument("--quick", action="store_true", help="1 timed run of 5 steps per row")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default 20)")
-    p.add_argument("--size", type=int, default=None, help="image side in px (default 256 on CPU, 512 on CUDA)")
+    p.add_argument("--size", type=int, default=None, help="image side in px (default 256 on CPU, 512 on CUDA; 1024 with --arch sdxl)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per row (default 3)")
     p.add_argument("--rounds", type=int, default=1, help="passes over all rows, in turn (default 1); each row "
                    "reports its median round (the faster middle one for an even count): on a machine whose "
@@ -793,8 +811,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str], 
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
-    model = args.model or ("builtin:tiny-sd15" if args.tiny else default_model())
-    size = args.size or (64 if args.tiny else 512 if cuda else 256)
+    arch = getattr(args, "arch", "sd15")
+    model = args.model or (f"builtin:tiny-{arch}" if args.tiny else default_model(arch))
+    size = args.size or (64 if args.tiny else 1024 if arch == "sdxl" else 512 if cuda else 256)
     steps = args.steps or (3 if args.tiny else 5 if args.quick else 20)
     repeats = args.repeats or (1 if args.tiny or args.quick else 3)
     bench_dir = cache_dir() / "bench"

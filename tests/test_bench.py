@@ -119,3 +119,52 @@ def test_rounds_run_every_row_again_in_turn_and_report_its_median_round(tmp_path
         lo, hi = row["s_per_image_spread"]
         assert lo <= min(times) + 0.005 and hi >= max(times) - 0.005  # notes round to 10 ms
     assert report["rows"][1]["e2e_speedup"] == report["rows"][0]["s_per_image"] / report["rows"][1]["s_per_image"]
+
+
+def test_arch_picks_the_family_of_the_default_model(monkeypatch):
+    """``--arch sdxl``: the SDXL architecture with random weights at 1024 px (``--tiny``: the tiny
+    SDXL); without it, SD 1.5 as before."""
+    import argparse
+
+    from sd_accel import bench
+
+    asked: list[str] = []
+    monkeypatch.setattr(bench, "default_model", lambda arch="sd15": asked.append(arch) or f"/cache/{arch}")
+
+    def config(*argv: str):
+        p = argparse.ArgumentParser()
+        bench.add_arguments(p)
+        return bench.config_from_args(p.parse_args(["--device", "cpu", *argv]))[0]
+
+    sdxl = config("--arch", "sdxl")
+    assert (sdxl.model, sdxl.height, sdxl.width) == ("/cache/sdxl", 1024, 1024)
+    sd15 = config()
+    assert (sd15.model, sd15.height) == ("/cache/sd15", 256)
+    assert asked == ["sdxl", "sd15"]
+    assert config("--arch", "sdxl", "--tiny").model == "builtin:tiny-sdxl"
+    assert config("--arch", "sdxl", "--size", "768").height == 768
+
+
+def test_engine_rows_build_the_components_the_pipeline_has():
+    """SDXL's second text encoder gets an engine too; SD 1.x has none to build."""
+    from sd_accel.bench import _engine_jobs
+
+    sd15 = ("clip", "unet", "vae_decoder", "vae_encoder")
+    assert _engine_jobs("openvino-fp32", sd15) == [("openvino", "fp32", ["clip", "unet", "vae_decoder"])]
+    assert _engine_jobs("openvino-fp32", ("clip", "clip2", "unet", "vae_decoder", "vae_encoder")) == [
+        ("openvino", "fp32", ["clip", "clip2", "unet", "vae_decoder"])]
+    jobs = _engine_jobs("ort-int8", ("clip2", "unet", "vae_decoder"))  # a refiner: no first encoder
+    assert jobs[0] == ("onnxruntime", "int8", ["unet"]) and jobs[1][2] == ["clip2", "vae_decoder"]
+
+
+@pytest.mark.slow
+def test_tiny_sdxl_rows_time_both_text_encoders_and_build_clip2(tmp_path):
+    from sd_accel.bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(model="builtin:tiny-sdxl", device="cpu", height=64, width=64, steps=2, repeats=1,
+                      engine_dir=str(tmp_path / "engines"), out_dir=str(tmp_path / "out"))
+    report = run_bench(cfg, ["diffusers", "ort-fp32"], inprocess=True, log=lambda m: None)
+    ref, ort = report["rows"]
+    assert not ref["skipped"] and not ort["skipped"], ort["skipped"]
+    assert set(ort["engine_rel_l2"]) == {"clip.fp32", "clip2.fp32", "unet.fp32", "vae_decoder.fp32"}
+    assert ref["clip_ms"] > 0 and ort["psnr_db"] > 10
