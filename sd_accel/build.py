@@ -186,28 +186,52 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
 
             tick(0.4, "capturing calibration data from prompt runs")
             extra["calibration"], holdout = split_holdout(calibration_for(spec, profile, cache.root))
-        # Inside the slot: a crash leaves it where leftovers of this build are removed.
-        with full_model(artifact, spec.torch_module(), slot.dir / ".onnx-source") as source:
-            release_torch_weights(spec)
-            files = be.build(source, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m), **extra)
-        result = None
-        if validate_it:
-            tick(0.85, "validating against torch")
-            runner = be.load(slot.dir, files, shapes)
-            try:
-                result = validate(spec, runner, profile, precision, device=be.torch_device,
-                                  feeds=holdout or None)
-            finally:
-                runner.close()
-            if not result.ok:
-                raise EngineError(
-                    f"engine {key.name} failed validation: {result.why}. It was not kept; try a "
-                    "narrower profile or fp32."
-                )
+        scopes = int8_scopes(be, precision, validate_it)
+        for attempt, scope in enumerate(scopes, 1):
+            options = {**extra, "int8_scope": scope} if scope else extra
+            # Inside the slot: a crash leaves it where leftovers of this build are removed.
+            with full_model(artifact, spec.torch_module(), slot.dir / ".onnx-source") as source:
+                release_torch_weights(spec)
+                files = be.build(source, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m),
+                                 **options)
+            result = None
+            if validate_it:
+                tick(0.85, "validating against torch")
+                runner = be.load(slot.dir, files, shapes)
+                try:
+                    result = validate(spec, runner, profile, precision, device=be.torch_device,
+                                      feeds=holdout or None)
+                finally:
+                    runner.close()
+                if not result.ok and attempt < len(scopes):
+                    log.warning("%s: int8 with the %s scope failed validation (%s); quantizing again with the "
+                                "%s scope, which keeps more layers in float", spec.name, scope, result.why,
+                                scopes[attempt])
+                    tick(0.4, f"int8 ({scope} scope) failed its check; quantizing again ({scopes[attempt]} scope)")
+                    continue
+                if not result.ok:
+                    raise EngineError(
+                        f"engine {key.name} failed validation: {result.why}. It was not kept; try a "
+                        "narrower profile or fp32."
+                    )
+            break
+        fields = record_extra(artifact) if record_extra else {}
+        if scope:
+            fields["int8_scope"] = scope
         record = slot.commit(files, shapes, time.perf_counter() - start, result.to_dict() if result else None,
-                             record_extra(artifact) if record_extra else {})
+                             fields)
         tick(1.0, "done")
         return record
+
+
+def int8_scopes(be, precision: str, validate_it: bool) -> tuple[str | None, ...]:
+    """The int8 scopes to build in turn (the backend's ``int8_scopes``, widest first): all of
+    them when validation can turn the wider ones down, else only the safest; ``(None,)`` for
+    other precisions and for backends with a single int8 scope."""
+    scopes = tuple(getattr(be, "int8_scopes", ()))
+    if precision != "int8" or not scopes:
+        return (None,)
+    return scopes if validate_it else scopes[-1:]
 
 
 def release_torch_weights(spec) -> int:

@@ -121,6 +121,9 @@ def test_int8_keeps_the_latent_input_and_full_resolution_decoder_convolutions_in
     # the last decoder level (up_blocks.1 of the two-level tiny UNet) stays float, the encoder does not
     assert any("up_blocks.1/resnets.1/conv2" in n for n in names)
     assert not any("down_blocks" in n or "mid_block" in n for n in names)
+    # the wide scope quantizes the last decoder level too: only conv_in and conv_out stay float
+    wide = float_convolutions(ov.convert_model(str(onnx_artifact(spec, tmp_path))), "wide")
+    assert len(wide) == 2 and "conv_in" in wide[0] and "conv_out" in wide[1]
 
 
 @pytest.mark.slow
@@ -140,6 +143,49 @@ def test_int8_engine_is_quantized_validated_and_recorded(int8_built):
     # convolutions and linear layers run int8 kernels; the kept convolutions run in float
     assert ("Convolution", "u8") in ran and ("FullyConnected", "u8") in ran
     assert ("Convolution", "bf16" if has_bf16() else "f32") in ran
+    # the record says which int8 scope passed the gate, and the engine is that one (the tiny UNet's
+    # wide engine is over the gate: 10-13% error per call, so its build took the safe one)
+    last_level = [op.get_friendly_name() for op in runner.compiled.get_runtime_model().get_ops()
+                  if op.get_rt_info()["layerType"].astype(str) == "Convolution"
+                  and op.get_rt_info()["runtimePrecision"].astype(str) != "u8"
+                  and "up_blocks.1/resnets" in op.get_friendly_name()]
+    assert bool(last_level) == (rec.extra["int8_scope"] == "safe"), (rec.extra, last_level)
+
+
+@pytest.mark.slow
+@needs_nncf
+@pytest.mark.parametrize("wide_passes", [True, False], ids=["wide-passes", "wide-fails"])
+def test_int8_build_takes_the_wide_scope_only_when_it_passes_its_check(tmp_path, monkeypatch, caplog, wide_passes):
+    import dataclasses
+    import logging
+
+    import sd_accel.validate
+
+    real = sd_accel.validate.validate
+    verdicts = []
+
+    def judged(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if not verdicts:  # the wide scope's engine, judged as the test says
+            result = dataclasses.replace(result, ok=wide_passes, why="" if wide_passes else "forced by the test")
+        verdicts.append(result.ok)
+        return result
+
+    monkeypatch.setattr(sd_accel.validate, "validate", judged)
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        (rec,) = build_engines(load_pipeline("builtin:tiny-sd15"), profiles=[STATIC], backend="openvino",
+                               precision="int8", components=["unet"], engine_dir=tmp_path, progress=False)
+    assert rec.status == "ok"
+    if wide_passes:
+        assert verdicts == [True] and rec.extra["int8_scope"] == "wide" and "quantizing again" not in caplog.text
+    else:
+        assert verdicts == [False, True] and rec.extra["int8_scope"] == "safe"
+        assert "quantizing again with the safe scope" in caplog.text
+    # without validation nothing could turn the wide scope down: the safe one is built directly
+    from sd_accel.build import int8_scopes
+
+    assert int8_scopes(OpenVinoBackend(), "int8", validate_it=False) == ("safe",)
+    assert int8_scopes(OpenVinoBackend(), "bf16", validate_it=True) == (None,)
 
 
 @pytest.mark.slow

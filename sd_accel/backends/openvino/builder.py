@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sd_accel.backends.base import BackendInfo
+from sd_accel.backends.openvino.quantize import SCOPES
 from sd_accel.backends.openvino.weight_map import MAP_FILE, patch, write_map
 from sd_accel.core import EngineError, Progress, ShapeRanges
 from sd_accel.device import cpu_class, cpu_flags
@@ -93,6 +94,7 @@ class OpenVinoBackend:
 
     name = "openvino"
     torch_device = "cpu"
+    int8_scopes = SCOPES  # widest first: the build falls back to the next when validation fails
 
     def info(self) -> BackendInfo:
         try:
@@ -117,9 +119,11 @@ class OpenVinoBackend:
         out_dir: Path,
         progress: Progress,
         calibration: CalibrationSet | None = None,
+        int8_scope: str = "safe",
     ) -> list[str]:
         """Convert, reshape, (quantize,) compile and export; returns the engine file names in
-        ``out_dir``. ``calibration``: the feeds ``int8`` needs; ignored otherwise."""
+        ``out_dir``. ``calibration``: the feeds ``int8`` needs; ``int8_scope``: which convolutions
+        int8 keeps in float (``quantize.SCOPES``); both ignored otherwise."""
         if precision not in self.precisions():
             why = "" if has_bf16() else " (bf16 needs a CPU with AVX512-BF16 or AMX)"
             if precision == "int8" and not _has_nncf():
@@ -138,7 +142,8 @@ class OpenVinoBackend:
             # counted in the build's RSS (SD 1.5's UNet in int8: 3.4 GB of mapped weights, GBs of
             # freed heap).
             with kept_released(Path(onnx_path).parent):
-                compiled = self._convert_and_compile(ov, onnx_path, shapes, precision, out_dir, progress, calibration)
+                compiled = self._convert_and_compile(ov, onnx_path, shapes, precision, out_dir, progress, calibration,
+                                                     int8_scope)
             progress(0.85, "exporting the compiled model (without weights)")
             (out_dir / ENGINE_FILE).write_bytes(compiled.export_model().getbuffer())
             del compiled
@@ -157,7 +162,7 @@ class OpenVinoBackend:
         return files
 
     def _convert_and_compile(self, ov, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path,
-                             progress: Progress, calibration: CalibrationSet | None):
+                             progress: Progress, calibration: CalibrationSet | None, int8_scope: str = "safe"):
         """Convert, reshape, (quantize,) save ``engine.xml`` / ``engine.bin``, compile."""
         model = ov.convert_model(str(onnx_path))
         names = {p.get_any_name() for p in model.inputs}
@@ -168,7 +173,7 @@ class OpenVinoBackend:
         if precision == "int8":
             from sd_accel.backends.openvino.quantize import quantize_openvino
 
-            model = quantize_openvino(model, calibration, lambda f, m: progress(0.1 + 0.4 * f, m))
+            model = quantize_openvino(model, calibration, lambda f, m: progress(0.1 + 0.4 * f, m), int8_scope)
         progress(0.5, "saving the weights" + ("" if precision == "fp32" else " (fp16 storage)"))
         # int8: the quantized weights stay int8; compress_to_fp16 stores the float rest as fp16.
         ov.save_model(model, str(out_dir / _GRAPH_FILE), compress_to_fp16=precision != "fp32")

@@ -13,6 +13,12 @@ keeping those in float gave 2.8-5.0% (bf16 alone: 2.5-3.6%) at 1.46x the speed o
 (scripts/BENCHMARKS.md). They are found from the graph, not by layer names, so diffusers, WebUI
 (LDM) and SDXL UNets are all covered: convolutions fed by a model input, and every convolution
 after the last upsampling.
+
+That is the ``"safe"`` scope. The ``"wide"`` scope keeps only the input convolutions and the last
+one (conv_out) in float: on an AMX CPU its UNet is about 1.15x faster than the safe one (SD 1.5 at
+256 px, 569 against 636 ms per call alternated) at 7.3% error per call against 4.5%. The build
+tries the wide scope first and takes it only when the engine passes its accuracy gate; when it
+fails, the build quantizes again with the safe scope (``sd_accel.build``).
 """
 
 from __future__ import annotations
@@ -28,20 +34,26 @@ log = logging.getLogger("sd_accel")
 _PASSES = 3
 
 
-def float_convolutions(model) -> list[str]:
-    """Names of the convolutions that stay in float (see the module docstring)."""
+SCOPES = ("wide", "safe")  # tried in this order when the build validates its engines
+
+
+def float_convolutions(model, scope: str = "safe") -> list[str]:
+    """Names of the convolutions that stay in float in ``scope`` (see the module docstring)."""
+    if scope not in SCOPES:
+        raise EngineError(f"unknown int8 scope {scope!r}; use one of {SCOPES}")
     ops = model.get_ordered_ops()
     params = {p.get_friendly_name() for p in model.get_parameters()}
-    keep = []
+    convs = [i for i, op in enumerate(ops) if op.get_type_name() == "Convolution"]
     last_up = max((i for i, op in enumerate(ops) if op.get_type_name() == "Interpolate"), default=len(ops))
-    for i, op in enumerate(ops):
-        if op.get_type_name() != "Convolution":
-            continue
+    keep = []
+    for i in convs:
+        op = ops[i]
         source = op.input_value(0).get_node()
         # a Convert or Reshape may sit between the parameter and the convolution
         while source.get_type_name() in ("Convert", "Reshape") and source.get_input_size():
             source = source.input_value(0).get_node()
-        if source.get_friendly_name() in params or i > last_up:
+        late = i == convs[-1] if scope == "wide" else i > last_up
+        if source.get_friendly_name() in params or late:
             keep.append(op.get_friendly_name())
     return keep
 
@@ -61,9 +73,10 @@ def _dataset(calibration: CalibrationSet, input_names: set[str], progress: Progr
     return nncf.Dataset(calibration.feeds, feed)
 
 
-def quantize_openvino(model, calibration: CalibrationSet | None, progress: Progress):
+def quantize_openvino(model, calibration: CalibrationSet | None, progress: Progress, scope: str = "safe"):
     """The INT8 version of an ``openvino.Model`` (reshaped to the engine's profile), calibrated on
-    ``calibration`` (feeds at the profile's opt shape).
+    ``calibration`` (feeds at the profile's opt shape), with the convolutions of ``scope`` kept in
+    float (:func:`float_convolutions`).
 
     >>> int8_model = quantize_openvino(ov_model, calibration, lambda f, m: None)  # doctest: +SKIP
     """
@@ -77,8 +90,8 @@ def quantize_openvino(model, calibration: CalibrationSet | None, progress: Progr
     missing = names - set(calibration.feeds[0])
     if missing:
         raise EngineError(f"the calibration data has no inputs {sorted(missing)}; it has {sorted(calibration.feeds[0])}")
-    floats = float_convolutions(model)
-    log.info("int8: %d convolutions stay in float: %s", len(floats), ", ".join(floats))
+    floats = float_convolutions(model, scope)
+    log.info("int8 (%s scope): %d convolutions stay in float: %s", scope, len(floats), ", ".join(floats))
     progress(0.0, f"quantizing with NNCF ({len(calibration)} calibration samples)")
     # NNCF logs every layer it skips at INFO; keep the build's own log readable.
     logging.getLogger("nncf").setLevel(logging.WARNING)
