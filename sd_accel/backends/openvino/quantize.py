@@ -15,7 +15,7 @@ keeping those in float gave 2.8-5.0% (bf16 alone: 2.5-3.6%) at 1.46x the speed o
 after the last upsampling.
 
 That is the ``"safe"`` scope. The ``"wide"`` scope keeps only the input convolutions and the last
-one (conv_out) in float: on an AMX CPU its UNet is about 1.15x faster than the safe one (SD 1.5 at
+one (conv_out) in float: on an AMX CPU its UNet is about 1.12x faster than the safe one (SD 1.5 at
 256 px, 569 against 636 ms per call alternated) at 7.3% error per call against 4.5%. The build
 tries the wide scope first and takes it only when the engine passes its accuracy gate; when it
 fails, the build quantizes again with the safe scope (``sd_accel.build``).
