@@ -162,9 +162,8 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
     ``model_id`` replaces the weight fingerprint in the key (the WebUI keys by checkpoint hash);
     ``record_extra(artifact)`` adds fields to the cache record once the ONNX artifact exists.
     """
-    from sd_accel.onnx.export import ensure_onnx_artifact, full_model
+    from sd_accel.onnx.export import ensure_onnx_artifact
     from sd_accel.onnx.fingerprint import fingerprint
-    from sd_accel.validate import validate
 
     model = model_id or fingerprint(spec.torch_module())
     key = EngineKey(model, spec.name, be.name, info.version, info.arch, precision, profile.tag)
@@ -189,32 +188,18 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
         scopes = int8_scopes(be, precision, validate_it)
         for attempt, scope in enumerate(scopes, 1):
             options = {**extra, "int8_scope": scope} if scope else extra
-            # Inside the slot: a crash leaves it where leftovers of this build are removed.
-            with full_model(artifact, spec.torch_module(), slot.dir / ".onnx-source") as source:
-                release_torch_weights(spec)
-                files = be.build(source, shapes, precision, slot.dir, lambda f, m: tick(0.4 + 0.4 * f, m),
-                                 **options)
-            result = None
-            if validate_it:
-                tick(0.85, "validating against torch")
-                runner = be.load(slot.dir, files, shapes)
-                try:
-                    result = validate(spec, runner, profile, precision, device=be.torch_device,
-                                      feeds=holdout or None)
-                finally:
-                    runner.close()
-                if not result.ok and attempt < len(scopes):
-                    log.warning("%s: int8 with the %s scope failed validation (%s); quantizing again with the "
-                                "%s scope, which keeps more layers in float", spec.name, scope, result.why,
-                                scopes[attempt])
-                    tick(0.4, f"int8 ({scope} scope) failed its check; quantizing again ({scopes[attempt]} scope)")
-                    continue
-                if not result.ok:
-                    raise EngineError(
-                        f"engine {key.name} failed validation: {result.why}. It was not kept; try a "
-                        "narrower profile or fp32."
-                    )
-            break
+            files, result = _build_and_check(be, spec, artifact, profile, shapes, precision, slot.dir, tick,
+                                             validate_it, holdout, options)
+            if result is None or result.ok:
+                break
+            if attempt == len(scopes):
+                raise EngineError(
+                    f"engine {key.name} failed validation: {result.why}. It was not kept; try a "
+                    "narrower profile or fp32."
+                )
+            log.warning("%s: int8 with the %s scope failed validation (%s); quantizing again with the "
+                        "%s scope, which keeps more layers in float", spec.name, scope, result.why, scopes[attempt])
+            tick(0.4, f"int8 ({scope} scope) failed its check; quantizing again ({scopes[attempt]} scope)")
         fields = record_extra(artifact) if record_extra else {}
         if scope:
             fields["int8_scope"] = scope
@@ -222,6 +207,27 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
                              fields)
         tick(1.0, "done")
         return record
+
+
+def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: str, out_dir: Path, tick: Progress,
+                     validate_it: bool, holdout, options: dict):
+    """One backend build into ``out_dir`` and, when asked, its check against torch: (files,
+    validation or None)."""
+    from sd_accel.onnx.export import full_model
+    from sd_accel.validate import validate
+
+    # Inside the slot: a crash leaves it where leftovers of this build are removed.
+    with full_model(artifact, spec.torch_module(), out_dir / ".onnx-source") as source:
+        release_torch_weights(spec)
+        files = be.build(source, shapes, precision, out_dir, lambda f, m: tick(0.4 + 0.4 * f, m), **options)
+    if not validate_it:
+        return files, None
+    tick(0.85, "validating against torch")
+    runner = be.load(out_dir, files, shapes)
+    try:
+        return files, validate(spec, runner, profile, precision, device=be.torch_device, feeds=holdout or None)
+    finally:
+        runner.close()
 
 
 def int8_scopes(be, precision: str, validate_it: bool) -> tuple[str | None, ...]:
