@@ -155,6 +155,10 @@ def test_engine_rows_build_the_components_the_pipeline_has():
         ("openvino", "fp32", ["clip", "clip2", "unet", "vae_decoder"])]
     jobs = _engine_jobs("ort-int8", ("clip2", "unet", "vae_decoder"))  # a refiner: no first encoder
     assert jobs[0] == ("onnxruntime", "int8", ["unet"]) and jobs[1][2] == ["clip2", "vae_decoder"]
+    # OpenVINO's int8 row quantizes the VAE decoder too; the text encoder stays float
+    jobs = _engine_jobs("openvino-int8", sd15)
+    assert jobs[0] == ("openvino", "int8", ["unet", "vae_decoder"]) and jobs[1][2] == ["clip"]
+    assert jobs[1][1] in ("bf16", "fp32")
 
 
 @pytest.mark.slow
