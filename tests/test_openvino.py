@@ -254,6 +254,43 @@ def test_int8_sdxl_unet_with_its_extra_conditioning_inputs(tmp_path):
     assert {"text_embeds", "time_ids"} <= set(rec.shapes)  # calibrated on every UNet input
 
 
+@pytest.mark.slow
+@needs_nncf
+def test_int8_vae_decoder_is_quantized_validated_and_decodes_like_torch(int8_built, tmp_path):
+    """The VAE decoder in int8 (what the bench's OpenVINO int8 row builds beside the UNet):
+    calibrated on the latents the pipeline's prompt runs decode, its convolutions run int8 kernels,
+    it passes the int8 gate, and a generation decodes on it to an image close to torch's."""
+    # the UNet's build captured every component's calibration data at once: reuse it, as one
+    # engine folder would (a capture runs the whole pipeline several times)
+    shutil.copytree(int8_built[0] / "calibration", tmp_path / "calibration")
+    pipe = load_pipeline("builtin:tiny-sd15")
+    (rec,) = build_engines(pipe, profiles=[STATIC], backend="openvino", precision="int8",
+                           components=["vae_decoder"], engine_dir=tmp_path, progress=False)
+    assert rec.status == "ok" and rec.key.component == "vae_decoder" and rec.key.precision == "int8"
+    assert 0 < rec.validation["rel_l2"] <= 0.1 and rec.extra["int8_scope"] in ("wide", "safe")
+    assert list((tmp_path / "calibration").glob("*-vae_decoder-*.npz"))
+    from sd_accel import EngineCache
+
+    runner = OpenVinoBackend().load(EngineCache(tmp_path).engine_dir(rec.key), rec.files, rec.shapes)
+    ran = {(op.get_rt_info()["layerType"].astype(str), op.get_rt_info()["runtimePrecision"].astype(str))
+           for op in runner.compiled.get_runtime_model().get_ops()}
+    runner.close()
+    assert ("Convolution", "u8") in ran
+
+    def image(p):
+        g = torch.Generator("cpu").manual_seed(0)
+        return p("a cat", num_inference_steps=2, height=64, width=64, generator=g, output_type="np").images
+
+    want = image(accelerate(load_pipeline("builtin:tiny-sd15"), AccelConfig(precision="fp32", sampler="Euler")))
+    fast = accelerate(load_pipeline("builtin:tiny-sd15"),
+                      AccelConfig(precision="fp32", sampler="Euler", engines=True, engine_dir=str(tmp_path),
+                                  backend="openvino", engine_fallback=False))
+    got = image(fast)
+    assert stats(fast)["vae_decoder"]["engine_calls"] == 1 and stats(fast)["vae_decoder"]["torch_calls"] == 0
+    psnr = 10 * np.log10(1 / np.mean((got - want) ** 2))
+    assert 25 < psnr < 80, psnr  # close to torch, and not torch itself
+
+
 def _resident_bytes_of(folder) -> int:
     """Resident bytes of this process's mappings of the files under ``folder`` (/proc/self/smaps)."""
 
