@@ -7,7 +7,9 @@ Rows (variants), each measured the same way:
 - ``sd-accel-torch``: sd-accel's torch-level best for the device (bf16 weights on a CPU with
   AVX512-BF16/AMX, else fp32; fp16 + xFormers/SDPA on CUDA).
 - ``ort-fp32``, ``openvino-fp32``, ``openvino-bf16``, ``tensorrt-fp16``: engines.
-- ``ort-int8`` (static, calibrated on prompt runs), ``ort-int8-dynamic``: INT8 engines.
+- ``ort-int8`` (static, calibrated on prompt runs), ``ort-int8-dynamic``, ``openvino-int8``: INT8
+  engines for the UNet (and, on OpenVINO, the VAE decoder: :data:`INT8_COMPONENTS`), float ones
+  for the rest.
 - ``optimum-intel-default``, ``optimum-intel-hybrid-int8``: what CPU users run today, optimum-intel's
   OVStableDiffusionPipeline (its default, and its hybrid int8 quantization), measured by
   ``scripts/bench_optimum.py`` with the python of its own venv (its pins clash with sd-accel's).
