@@ -29,6 +29,21 @@ def _status_kb(field: str) -> int:
     raise KeyError(field)
 
 
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """The weights' bytes, which is what parking and mapping must keep."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Outputs within float tolerance: a tensor moved to another address (a file map, a spill
+    file) may take another matmul path whose sums round differently in the last bit (seen on an
+    AMD EPYC: 1.2e-6 on 96% of the elements), so outputs are never compared at atol=0."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 needs_proc = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RssAnon/RssFile come from /proc (Linux)")
 
 
@@ -55,6 +70,7 @@ def test_anonymous_weights_are_spilled_and_compute_the_same(tmp_path):
     module = Big()
     x = torch.randn(3, 2048)
     ref = module(x)
+    reference = copy.deepcopy(module)
     fp = fingerprint(module)
     size_kb = sum(p.numel() * p.element_size() for p in module.parameters()) // 1024
     before = _status_kb("RssAnon")
@@ -64,11 +80,12 @@ def test_anonymous_weights_are_spilled_and_compute_the_same(tmp_path):
     assert module.c.weight is module.tied.weight  # ties survive
     assert cached_fingerprint(module) == fp  # no rehash needed, same value
     file_before = _status_kb("RssFile")
-    torch.testing.assert_close(module(x), ref, rtol=0, atol=0)
+    _close(module(x), ref)
     assert _status_kb("RssFile") - file_before > 0.8 * size_kb  # a use pages them in (file-backed)
     assert weights.release(module) > 0.8 * size_kb * 1024
     assert _status_kb("RssFile") - file_before < 0.2 * size_kb
-    torch.testing.assert_close(module(x), ref, rtol=0, atol=0)  # and in again
+    _close(module(x), ref)  # and in again
+    _same_weights(module, reference)
     assert fingerprint(module) == fp
     if os.name == "posix":
         assert list((tmp_path / weights.SPILL_DIR).iterdir()) == []  # unlinked once mapped
@@ -100,7 +117,8 @@ def test_memory_mapped_weights_stay_in_their_file_and_hashing_leaves_them_out(tm
     spill = weights.park(module, tmp_path, "mapped")
     assert spill.spilled_bytes == 0 and spill.mapped_bytes >= size_kb * 1024 and spill.path is None
     assert not (tmp_path / weights.SPILL_DIR).exists()  # nothing written
-    torch.testing.assert_close(module(torch.ones(1, 2048)), big(torch.ones(1, 2048)), rtol=0, atol=0)
+    _same_weights(module, big)
+    _close(module(torch.ones(1, 2048)), big(torch.ones(1, 2048)))
     assert fingerprint(module) == fp
 
 
@@ -268,5 +286,7 @@ def test_parked_pipeline_images_equal_unparked_ones(unet_engines):
     cache = EngineCache(unet_engines)
     swap_engines(plain, cache, get_backend("onnxruntime", cache_root=cache.root), park_weights=False)
     assert weights.parked(plain.unet.torch_module) is None
-    for size in (64, 72):  # engine, then torch fallback
-        np.testing.assert_array_equal(_generate(parked, size), _generate(plain, size))
+    with torch_modules(parked), torch_modules(plain):
+        _same_weights(parked.unet, plain.unet)
+    for size in (64, 72):  # engine, then torch fallback (the parked weights at another address)
+        np.testing.assert_allclose(_generate(parked, size), _generate(plain, size), rtol=0, atol=1e-4)

@@ -117,11 +117,9 @@ def test_bad_requests_get_422_without_reaching_the_replica(server):
 
 def test_concurrent_clients_get_their_own_distinct_images_in_batches(server):
     n = MAX_ONGOING  # all fit in the replica at once
-    start = time.perf_counter()
+    # no bound on the time: batching is asserted below by the call sizes, not by a CPU's speed
     responses = asyncio.run(_post_all(server.url, [_body(1000 + i, prompt=f"prompt {i}") for i in range(n)]))
-    elapsed = time.perf_counter() - start
     assert [r.status_code for r in responses] == [200] * n, [r.text[:200] for r in responses]
-    assert elapsed < 60
     pixels = set()
     sizes = []
     for i, r in enumerate(responses):
