@@ -23,6 +23,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def has_int8_dot() -> bool:
+    """Whether this x86 CPU has int8 dot-product instructions (VNNI or AMX). Without them int8
+    kernels multiply u8 by s8 into int16 pairs (``vpmaddubsw``), which saturate: quantized weights
+    must then keep to 7 bits (NNCF's overflow fix) or the engine's error grows."""
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+
+
 def cpu_class() -> str:
     """A key for CPU engines, e.g. ``cpu-x86_64-avx512-vnni-bf16``: ORT's optimized models bake in
     ISA-specific layouts (NCHWc blocks), and int8/bf16 kernels depend on VNNI/BF16/AMX."""

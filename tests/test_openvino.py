@@ -107,6 +107,22 @@ def int8_built(tmp_path_factory):
     return engine_dir, records
 
 
+@needs_nncf
+@pytest.mark.parametrize(("flags", "fix"), [({"avx2", "fma"}, "ENABLE"), ({"avx2", "avx_vnni"}, "FIRST_LAYER"),
+                                            ({"avx512f", "avx512_vnni"}, "FIRST_LAYER"),
+                                            ({"avx512f", "amx_int8", "amx_bf16"}, "FIRST_LAYER")])
+def test_int8_weights_keep_to_7_bits_on_cpus_without_vnni(monkeypatch, flags, fix):
+    """AVX2-only CPUs (an AMD EPYC Zen 3, say) sum u8 x s8 pairs in int16, which saturates with
+    8-bit weights: there every layer gets NNCF's overflow fix; VNNI/AMX CPUs keep NNCF's default."""
+    from nncf.quantization.advanced_parameters import OverflowFix
+
+    import sd_accel.backends.openvino.quantize as quantize
+    import sd_accel.device as device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
+    assert quantize._advanced_parameters().overflow_fix == OverflowFix[fix]
+
+
 @pytest.mark.slow
 def test_int8_keeps_the_latent_input_and_full_resolution_decoder_convolutions_in_float(tmp_path):
     import openvino as ov
