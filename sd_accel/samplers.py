@@ -285,6 +285,12 @@ def resolve(name: str, schedule: str | None = None) -> SamplerPreset:
     >>> resolve("dpm++ 2m", "karras").name
     'DPM++ 2M Karras'
     """
+    # Names come from request bodies too (a JSON 5 or list): say so rather than fail in re.sub.
+    if not isinstance(name, str):
+        raise InvalidValue(f"sampler name {name!r} is not valid; allowed: a string such as 'Euler a' "
+                           "(`sd-accel samplers` lists them)")
+    if schedule is not None and not isinstance(schedule, str):
+        raise InvalidValue(f"schedule type {schedule!r} is not valid; allowed: a string such as 'Karras'")
     sampler, suffix = _split(name)
     wanted = _find_schedule(schedule) if schedule is not None else AUTOMATIC
     if suffix not in (None, AUTOMATIC) and wanted not in (AUTOMATIC, suffix):

@@ -120,12 +120,12 @@ def test_txt2img_maps_webui_fields_onto_generation_params():
     ({"height": 0}, r"GenerationParams\.height=0"),
     ({"steps": 0}, r"GenerationParams\.steps=0 .*from 1 to 150"),
     ({"steps": 151}, r"GenerationParams\.steps=151"),
-    ({"steps": "20"}, r"GenerationParams\.steps='20'"),
+    ({"steps": "20"}, r"txt2img field steps='20' is not valid; allowed: an integer"),
     ({"sampler_name": "Eulr a"}, "unknown sampler 'Eulr a'; closest matches: Euler a"),
     ({"cfg_scale": -1}, r"GenerationParams\.cfg=-1"),
     ({"batch_size": 40, "n_iter": 2}, "80 images; at most 64"),
     ({"n_iter": 0}, "n_iter=0"),
-    ({"enable_hr": True}, "enable_hr=True is not supported"),
+    ({"enable_hr": True}, "enable_hr=true is not supported"),
     ({"alwayson_scripts": {"controlnet": {}}}, "alwayson_scripts=.* is not supported"),
     ([1, 2], "must be a JSON object"),
 ])
@@ -374,6 +374,85 @@ def test_app_bad_requests_get_422_and_never_reach_the_backend():
     assert backend.calls == []
 
 
+# Each malformed body: raw bytes (JSON that json.dumps would not write) or an object, and the
+# field the 422 must name. Types are checked before values: none of these may reach a validator
+# that fails with a TypeError (a 500).
+_DEEP = 100_000
+BAD_BODIES = [
+    ({"sampler_name": 123}, "sampler_name=123"),
+    ({"sampler_name": ["Euler a"]}, "sampler_name="),
+    ({"sampler_name": {}}, "sampler_name={}"),
+    ({"sampler_name": True}, "sampler_name=true"),
+    ({"sampler_index": 5}, "sampler_index=5"),
+    ({"sampler_name": "Euler", "scheduler": 5}, "scheduler=5"),
+    ({"sampler_name": 5, "scheduler": "Karras"}, "sampler_name=5"),
+    ({"prompt": 5}, "prompt=5"),
+    ({"prompt": None}, "prompt=null"),
+    ({"negative_prompt": ["x"]}, "negative_prompt="),
+    ({"steps": "20"}, "steps='20'"),
+    ({"steps": 20.5}, "steps=20.5"),
+    ({"steps": True}, "steps=true"),
+    ({"cfg_scale": "7"}, "cfg_scale='7'"),
+    (b'{"cfg_scale": NaN}', "cfg_scale=nan"),
+    (b'{"my_field": [1, Infinity]}', r"my_field\[1\]=inf"),
+    ({"width": "64"}, "width='64'"),
+    ({"height": [64]}, "height="),
+    ({"seed": 1.5}, "seed=1.5"),
+    ({"batch_size": "2"}, "batch_size='2'"),
+    ({"n_iter": "2"}, "n_iter='2'"),
+    ({"send_images": "yes"}, "send_images='yes'"),
+    ({"enable_hr": "yes"}, "enable_hr='yes'"),
+    (b"[" * _DEEP + b"]" * _DEEP, "nested at most"),
+    (b'{"prompt": "x", "extra": ' + b"[" * _DEEP + b"]" * _DEEP + b"}", "nested at most"),
+    ({"styles": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["s"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "styles.* nests deeper"),
+    ({"alwayson_scripts": {"a": {"args": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}},
+     "alwayson_scripts.a.args.* nests deeper"),
+    ([1, 2], "must be a JSON object"),
+    (b'"a string"', "must be a JSON object"),
+    (b"null", "must be a JSON object"),
+    (b"", "must be a JSON object"),
+    (b"\xff\xfe", "must be a JSON object"),
+    (b"{not json", "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("body, names", BAD_BODIES, ids=[str(i) for i in range(len(BAD_BODIES))])
+def test_app_every_malformed_body_gets_a_422_naming_the_field(body, names):
+    import re
+
+    backend = _Backend()
+    c = _client(backend)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = c.post("/sdapi/v1/txt2img", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422, (r.status_code, r.text[:300])
+    assert r.headers["content-type"] == "application/json"
+    detail = r.json()["detail"]
+    assert re.search(names, detail), detail
+    assert len(detail) < 400  # a huge or deep value is named, not echoed
+    assert backend.calls == []
+
+
+def test_app_refuses_a_body_over_the_limit_before_reading_it():
+    backend = _Backend()
+    c = _client(backend, max_request_bytes=4096)
+    big = json.dumps({"prompt": "x" * 5000}).encode()
+    r = c.post("/sdapi/v1/txt2img", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "at most 4096" in r.json()["detail"]
+
+    def chunked():  # no Content-Length: the limit holds while reading
+        for _ in range(10):
+            yield b" " * 1000
+        yield b"{}"
+
+    r = c.post("/sdapi/v1/txt2img", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "more than 4096" in r.json()["detail"]
+    assert backend.calls == []
+    assert c.post("/sdapi/v1/txt2img", json={"prompt": "x" * 3000}).status_code == 200
+    assert ServeConfig().max_request_bytes == 1 << 20
+    with pytest.raises(InvalidValue, match="max_request_bytes=10 "):
+        ServeConfig(max_request_bytes=10)
+
+
 def test_app_maps_busy_dead_and_slow_backends():
     from sd_accel.serve.app import Busy, Unavailable
 
@@ -478,3 +557,16 @@ def test_app_admits_a_burst_up_to_capacity_and_refuses_the_rest():
     codes = sorted(r.status_code for r in asyncio.run(burst()))
     assert codes == [200, 200, 200, 503, 503, 503]  # 2 in the replica + 1 queued; the rest told to retry
     assert len(backend.calls) == 3
+
+
+def test_a_sampler_that_is_not_a_string_is_an_invalid_value_everywhere():
+    from sd_accel.generate import GenerationParams
+    from sd_accel.samplers import resolve
+
+    for bad in (5, ["Euler"], {}, True):
+        with pytest.raises(InvalidValue, match=r"GenerationParams\.sampler="):
+            GenerationParams(sampler=bad)
+        with pytest.raises(InvalidValue, match="sampler name .* allowed: a string"):
+            resolve(bad)
+    with pytest.raises(InvalidValue, match="schedule type 5"):
+        resolve("Euler", 5)

@@ -2,8 +2,9 @@
 
 Routes (every one behind the bearer token when one is set, the docs and unknown paths included):
 
-- ``POST /sdapi/v1/txt2img``: AUTOMATIC1111-compatible; 422 with the reason for a bad request
-  (before it reaches any queue), 503 with ``Retry-After`` when the replicas are full or one died
+- ``POST /sdapi/v1/txt2img``: AUTOMATIC1111-compatible; 413 for a body over
+  ``max_request_bytes`` (before it is parsed), 422 naming the field of a bad request (before it
+  reaches any queue), 503 with ``Retry-After`` when the replicas are full or one died
   under it, 504 when it ran past ``request_timeout_s``;
 - ``GET /sdapi/v1/samplers``: the sampler names, as the WebUI lists them;
 - ``GET /sd-accel/engines``: the engine cache the replicas read;
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from sd_accel.core import InvalidValue, SdAccelError
 from sd_accel.serve.config import ServeConfig
-from sd_accel.serve.txt2img import parse_txt2img, txt2img_answer
+from sd_accel.serve.txt2img import MAX_DEPTH, parse_txt2img, txt2img_answer
 
 
 class Busy(SdAccelError, RuntimeError):
@@ -106,12 +107,29 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
     def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse({"detail": message, "error": _ERRORS.get(status, "Error")}, status, headers=headers)
 
+    limit = config.max_request_bytes
+
+    def too_large(size: str) -> JSONResponse:
+        return error(413, f"the request body is {size} bytes; at most {limit} are taken (max_request_bytes, "
+                          "--max-request-bytes): send a shorter prompt")
+
     @app.post("/sdapi/v1/txt2img")
     async def txt2img(request: Request):
+        # Refused before it is read whole, let alone parsed: a 10 MB prompt costs nothing.
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return too_large(declared)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return too_large(f"more than {limit}")
+            chunks.append(chunk)
         try:
-            body = await request.json()
-        except ValueError:
-            return error(422, "the body must be JSON (Content-Type: application/json)")
+            body = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
+            return error(422, "the body must be a JSON object of txt2img fields, nested at most "
+                              f"{MAX_DEPTH} levels (Content-Type: application/json)")
         try:
             req = parse_txt2img(body)
         except InvalidValue as exc:
@@ -162,4 +180,4 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
     return app
 
 
-_ERRORS = {401: "Unauthorized", 422: "InvalidValue", 500: "GenerationFailed", 503: "ServiceUnavailable", 504: "Timeout"}
+_ERRORS = {401: "Unauthorized", 413: "PayloadTooLarge", 422: "InvalidValue", 500: "GenerationFailed", 503: "ServiceUnavailable", 504: "Timeout"}

@@ -53,6 +53,7 @@ class ServeConfig:
       ``max_queued_requests``: requests waiting for a replica slot (for the whole application);
       past ``num_replicas * max_ongoing_requests + max_queued_requests``, 503 with
       ``Retry-After: retry_after_s``. ``request_timeout_s``: past it a request is cancelled (504).
+      ``max_request_bytes`` (1 MiB): a larger body is refused (413) before it is read.
     - ``build_missing``: build the engines (``build_preset`` or ``build_profiles``, at
       ``build_precision``) once before traffic, on a node of the replicas' kind.
     - ``address``: the Ray cluster to join (default ``$RAY_ADDRESS``, else a local Ray).
@@ -86,6 +87,7 @@ class ServeConfig:
     address: str | None = None
     app_name: str = "sd-accel"
     object_store_mb: int = 256
+    max_request_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if isinstance(self.accel, dict):
@@ -122,6 +124,7 @@ class ServeConfig:
         _number_at_least("request_timeout_s", self.request_timeout_s, 0, strict=True)
         _number_at_least("retry_after_s", self.retry_after_s, 0)
         _int_at_least("object_store_mb", self.object_store_mb, 64)
+        _int_at_least("max_request_bytes", self.max_request_bytes, 1024)
         if self.max_ongoing_requests < self.max_batch_size:
             _bad("max_ongoing_requests", self.max_ongoing_requests,
                  f"at least max_batch_size ({self.max_batch_size}), or batches can never fill")
