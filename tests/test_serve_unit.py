@@ -570,3 +570,31 @@ def test_a_sampler_that_is_not_a_string_is_an_invalid_value_everywhere():
             resolve(bad)
     with pytest.raises(InvalidValue, match="schedule type 5"):
         resolve("Euler", 5)
+
+
+def test_replica_says_once_that_clip_ignores_the_end_of_a_long_prompt(replica, caplog):
+    from sd_accel.serve.replica import PROMPT_SCAN_CHARS, clip_prompt
+
+    huge = "a red cube on a table, " * 20_000  # ~460 kB
+    kept, dropped = clip_prompt(replica.tokenizer, huge)
+    assert dropped and len(kept) <= PROMPT_SCAN_CHARS and huge.startswith(kept)
+    assert clip_prompt(replica.tokenizer, "a red cube") == ("a red cube", False)
+    assert clip_prompt(replica.tokenizer, "a red cube, " * 40)[1]  # > 75 tokens, < the scan length
+
+    req = {"prompt": huge, "steps": 2, "cfg": 7.0, "width": 64, "height": 64, "seed": 3, "batch": 1}
+    replica._said_truncation = False
+    with caplog.at_level("WARNING", logger="sd_accel"):
+        out = asyncio.run(replica.generate(req))
+        again = asyncio.run(replica.generate(dict(req, negative_prompt="blurry")))
+    said = [r for r in caplog.records if "CLIP reads" in r.getMessage()]
+    assert len(said) == 1  # once per replica, not per call
+    assert not any("truncated because CLIP" in r.getMessage() for r in caplog.records)  # diffusers' own
+    assert len(out["warnings"]) == 1 and out["warnings"][0].startswith("prompt is longer than the 75 tokens")
+    assert again["warnings"] == out["warnings"]
+    # what ran is what CLIP reads of the whole prompt; the infotext keeps the prompt as sent
+    short = asyncio.run(replica.generate(dict(req, prompt=" ".join(huge.split()[:200]))))
+    assert_same_image(out["images"][0], short["images"][0])
+    assert short["warnings"] == out["warnings"]
+    assert huge.strip() in out["infotexts"][0]
+    plain = asyncio.run(replica.generate(dict(req, prompt="a red cube")))
+    assert plain["warnings"] == []

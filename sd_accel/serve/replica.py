@@ -22,6 +22,41 @@ from sd_accel.serve.config import ServeConfig
 
 log = logging.getLogger("sd_accel")
 
+# A prompt past this many characters is tokenized only up to its last whitespace before it: enough
+# for CLIP's 75 tokens (a token is rarely more than 20 characters), and a 1 MB prompt then costs
+# milliseconds, not the seconds diffusers spends tokenizing all of it twice.
+PROMPT_SCAN_CHARS = 4096
+_DIFFUSERS_TRUNCATION = "The following part of your input was truncated because CLIP"
+
+
+def clip_prompt(tokenizer, text: str | None) -> tuple[str | None, bool]:
+    """``(text for the pipeline, whether CLIP drops part of it)``.
+
+    The text given back is cut at a whitespace (a word boundary for CLIP's tokenizer), only when
+    what is kept still holds more tokens than CLIP reads, so the pipeline sees the same token ids
+    as for the whole prompt.
+    """
+    if tokenizer is None or not text:
+        return text, False
+    keep = getattr(tokenizer, "model_max_length", 77) - 2  # less the start and end tokens
+
+    def count(s: str) -> int:
+        return len(tokenizer(s, add_special_tokens=False, truncation=False).input_ids)
+
+    if len(text) > PROMPT_SCAN_CHARS:
+        scan = text[:PROMPT_SCAN_CHARS]
+        cut = max(scan.rfind(c) for c in " \t\n\r")
+        if cut > 0 and count(scan[:cut]) > keep:
+            return scan[:cut], True
+    return text, count(text) > keep
+
+
+class _DropTruncationWarning(logging.Filter):
+    """diffusers warns on every call that a long prompt was truncated; the replica says it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_DIFFUSERS_TRUNCATION)
+
 
 def model_label(model: str) -> str:
     """The model as named in infotexts: a file's stem, never the server's folders."""
@@ -63,6 +98,11 @@ class ModelServer:
             pipe = accelerate(pipe, self.config.accel)
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
+        self.tokenizer = getattr(pipe, "tokenizer", None) or getattr(pipe, "tokenizer_2", None)
+        self._said_truncation = False
+        for name in ("diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
+                     "diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl"):
+            logging.getLogger(name).addFilter(_DropTruncationWarning())
         self.model = model_label(self.config.model)
         self.default_sampler = getattr(getattr(pipe, "sd_accel", None), "sampler", None)
         self._base_scheduler = pipe.scheduler
@@ -103,13 +143,31 @@ class ModelServer:
             sampler = resolve(sampler).name  # one spelling, so "euler a" batches with "Euler a"
         seed = params.resolved_seed()
         key = BatchKey(width=width, height=height, steps=params.steps, cfg=float(params.cfg), sampler=sampler)
-        return Job(key, params.prompt, params.negative_prompt, [seed + i for i in range(params.batch)])
+        prompt, _ = clip_prompt(self.tokenizer, params.prompt)
+        negative, _ = clip_prompt(self.tokenizer, params.negative_prompt)
+        return Job(key, prompt, negative, [seed + i for i in range(params.batch)])
+
+    def prompt_warnings(self, params: GenerationParams) -> list[str]:
+        """What the request is told about its prompts: the part CLIP does not read."""
+        warnings = []
+        for field_name, text in (("prompt", params.prompt), ("negative_prompt", params.negative_prompt)):
+            if clip_prompt(self.tokenizer, text)[1]:
+                keep = getattr(self.tokenizer, "model_max_length", 77) - 2
+                warnings.append(
+                    f"{field_name} is longer than the {keep} tokens CLIP reads; the rest was ignored "
+                    "(the WebUI encodes long prompts in 75-token chunks; sd-accel serve does not yet)"
+                )
+        if warnings and not self._said_truncation:
+            self._said_truncation = True  # once per replica: the answers carry it every time
+            log.warning("sd-accel serve: %s (said once; each answer's info.sd_accel.warnings says it)", warnings[0])
+        return warnings
 
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """``request``: ``GenerationParams`` fields. Returns PNG bytes (with infotexts), seeds, the
         size and sampler used, and the size of each call the images were made in."""
         params = GenerationParams(**request)  # the same validation the HTTP route ran
         job = self.job_for(params)
+        warnings = self.prompt_warnings(params)
         with self._lock:
             self.requests += 1
         start = time.perf_counter()
@@ -118,7 +176,7 @@ class ModelServer:
         key = job.key
         sampler_label = key.sampler or type(self._base_scheduler).__name__
         infotexts = [
-            parameters_text(job.prompt, job.negative_prompt, key.steps, sampler_label, key.cfg, seed,
+            parameters_text(params.prompt, params.negative_prompt, key.steps, sampler_label, key.cfg, seed,
                             key.width, key.height, self.model)
             for seed in job.seeds
         ]
@@ -136,6 +194,7 @@ class ModelServer:
             "call_sizes": job.call_sizes,
             "replica": self.replica_id,
             "seconds": round(seconds, 4),
+            "warnings": warnings,
         }
 
     # ------------------------------------------------------------------ the worker

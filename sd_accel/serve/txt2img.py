@@ -212,6 +212,7 @@ def txt2img_answer(request: Txt2ImgRequest, result: dict[str, Any]) -> dict[str,
             "call_sizes": result.get("call_sizes"),
             "seconds": result.get("seconds"),
             "ignored_fields": list(request.ignored),
+            "warnings": result.get("warnings", []),
         },
     }
     images = [base64.b64encode(png).decode("ascii") for png in result["images"]] if request.send_images else []
