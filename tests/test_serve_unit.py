@@ -598,3 +598,12 @@ def test_replica_says_once_that_clip_ignores_the_end_of_a_long_prompt(replica, c
     assert huge.strip() in out["infotexts"][0]
     plain = asyncio.run(replica.generate(dict(req, prompt="a red cube")))
     assert plain["warnings"] == []
+
+
+def test_replica_reports_the_webui_name_of_the_models_own_scheduler(tiny_factory):
+    from sd_accel.serve.replica import ModelServer
+
+    server = ModelServer(ServeConfig(accel={"engines": False}, num_cpus=1), pipe=tiny_factory("sd15"))
+    out = asyncio.run(server.generate({"prompt": "x", "steps": 2, "width": 64, "height": 64, "seed": 1}))
+    assert out["sampler"] == "PLMS" and "Sampler: PLMS," in out["infotexts"][0]  # not PNDMScheduler
+    server.batcher.close()

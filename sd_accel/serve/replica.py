@@ -106,6 +106,10 @@ class ModelServer:
         self.model = model_label(self.config.model)
         self.default_sampler = getattr(getattr(pipe, "sd_accel", None), "sampler", None)
         self._base_scheduler = pipe.scheduler
+        from sd_accel.samplers import webui_name
+
+        # What the model's own scheduler is called in the WebUI (PLMS for SD 1.5's PNDM config).
+        self.model_sampler = webui_name(pipe.scheduler) or type(pipe.scheduler).__name__
         self._schedulers: dict[str, Any] = {}
         self._limits: dict[BatchKey, int] = {}
         self._lock = threading.Lock()
@@ -174,7 +178,7 @@ class ModelServer:
         await self.batcher.submit(job)
         seconds = time.perf_counter() - start
         key = job.key
-        sampler_label = key.sampler or type(self._base_scheduler).__name__
+        sampler_label = key.sampler or self.model_sampler
         infotexts = [
             parameters_text(params.prompt, params.negative_prompt, key.steps, sampler_label, key.cfg, seed,
                             key.width, key.height, self.model)
