@@ -607,3 +607,20 @@ def test_replica_reports_the_webui_name_of_the_models_own_scheduler(tiny_factory
     out = asyncio.run(server.generate({"prompt": "x", "steps": 2, "width": 64, "height": 64, "seed": 1}))
     assert out["sampler"] == "PLMS" and "Sampler: PLMS," in out["infotexts"][0]  # not PNDMScheduler
     server.batcher.close()
+
+
+def test_resources_a_cluster_cannot_give_are_refused_before_deploying():
+    from sd_accel.serve.deployment import resource_shortfall
+
+    cpu_box = [{"Alive": True, "Resources": {"CPU": 2.0, "memory": 1e9}}]
+    assert resource_shortfall(ServeConfig(), cpu_box) is None
+    why = resource_shortfall(ServeConfig(num_gpus=1), cpu_box)  # the README's example on a CPU machine
+    assert "1 replica(s) of 1 CPU and 1 GPU each do not fit" in why and "0 CPU" not in why
+    assert "this cluster has no GPU: leave --num-gpus out" in why
+    why = resource_shortfall(ServeConfig(num_replicas=3, num_cpus=1), cpu_box)
+    assert "2 replica(s) fit" in why and "no GPU" not in why
+    two_gpus = [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0}}, {"Alive": False, "Resources": {"GPU": 4.0}},
+                {"Resources": {"CPU": 8.0, "GPU": 1.0}}]
+    assert resource_shortfall(ServeConfig(num_replicas=2, num_gpus=1), two_gpus) is None
+    assert "0 replica(s) fit" in resource_shortfall(ServeConfig(num_gpus=2), two_gpus)  # no single node has 2
+    assert resource_shortfall(ServeConfig(num_cpus=0, num_replicas=5), cpu_box) is None

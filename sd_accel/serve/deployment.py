@@ -177,6 +177,48 @@ def init_ray(config: ServeConfig) -> None:
         ray.init(include_dashboard=False, object_store_memory=config.object_store_mb * 2**20)
 
 
+def resource_shortfall(config: ServeConfig, nodes: list[dict[str, Any]]) -> str | None:
+    """Why the Ray cluster of ``nodes`` (``ray.nodes()``) cannot place ``config``'s replicas, or
+    None when it can. Ray never fails such a request: it waits, saying only in its own log that
+    no node type can fulfil it, so without this check the service would hang silently."""
+    alive = [n.get("Resources") or {} for n in nodes if n.get("Alive", True)]
+
+    def fits(resources: dict[str, Any]) -> int:
+        room = []
+        for need, have in ((config.num_cpus, resources.get("CPU", 0)), (config.num_gpus, resources.get("GPU", 0))):
+            if need:
+                room.append(int(have // need))
+        return min(room) if room else config.num_replicas
+
+    places = sum(fits(r) for r in alive)
+    if places >= config.num_replicas:
+        return None
+    cpus = sum(r.get("CPU", 0) for r in alive)
+    gpus = sum(r.get("GPU", 0) for r in alive)
+    hints = []
+    if config.num_gpus and not gpus:
+        hints.append("this cluster has no GPU: leave --num-gpus out (or 0) to serve on CPUs")
+    hints.append("ask for fewer --num-replicas, --num-cpus or --num-gpus, or join a bigger cluster with --address")
+    return (f"sd-accel serve: {config.num_replicas} replica(s) of {config.num_cpus:g} CPU and {config.num_gpus:g} GPU "
+            f"each do not fit the Ray cluster ({len(alive)} node(s), {cpus:g} CPU and {gpus:g} GPU in all; "
+            f"{places} replica(s) fit), and Ray would wait for them forever: " + "; ".join(hints))
+
+
+def check_resources(config: ServeConfig) -> None:
+    """Refuse (``DeviceError``) a deployment the Ray cluster cannot place, before it is started.
+    A cluster joined with ``--address`` may autoscale: there it is a warning that says what Ray waits for."""
+    ray, _ = _ray()
+    why = resource_shortfall(config, ray.nodes())
+    if why is None:
+        return
+    if config.address or os.environ.get("RAY_ADDRESS"):
+        log.warning("%s (if this cluster autoscales, Ray waits until a node that fits joins)", why)
+        return
+    from sd_accel.core import DeviceError
+
+    raise DeviceError(why)
+
+
 @dataclass
 class Server:
     """A running ``sd-accel serve`` application."""
@@ -219,6 +261,7 @@ def serve(config: ServeConfig | None = None, *, blocking: bool = True, **fields:
         config = dataclasses.replace(config, engine_dir=str(EngineCache(None).root))
     _, rserve = _ray()
     init_ray(config)
+    check_resources(config)
     if config.build_missing:
         build_missing(config)
     rserve.start(http_options={"host": config.host, "port": config.port})
