@@ -33,7 +33,8 @@ def _ray():
         import ray
         from ray import serve
     except ImportError:
-        raise ImportError("sd-accel serve needs Ray Serve: pip install 'sd-accel[serve]'") from None
+        raise ImportError("sd-accel serve needs Ray Serve: pip install 'ray[serve]>=2.60,<3', or in the sd-accel "
+                          "checkout pip install -e '.[serve]' (sd-accel is not on the package index)") from None
     return ray, serve
 
 
