@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import socket
 import time
 
@@ -233,3 +234,16 @@ def test_a_killed_replica_errors_its_request_and_comes_back(server):
         else:
             pytest.fail("the replica did not come back within 120 s")
     assert json.loads(r.json()["info"])["sd_accel"]["replica"] != old
+
+
+@pytest.mark.slow
+def test_a_local_ray_listens_on_loopback_only():
+    """The service listens on 127.0.0.1 by default: so do the ports of the local Ray it starts."""
+    import subprocess
+    import sys
+
+    code = ("import ray\nfrom sd_accel.serve.config import ServeConfig\nfrom sd_accel.serve.deployment import init_ray\n"
+            "init_ray(ServeConfig(object_store_mb=80))\nprint('node', ray.util.get_node_ip_address())\nray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "node 127.0.0.1" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import os
 import time
@@ -167,15 +168,39 @@ def build_missing(config: ServeConfig) -> list[str]:
 
 
 def init_ray(config: ServeConfig) -> None:
-    """Join ``config.address`` (or ``$RAY_ADDRESS``), else start a small local Ray."""
+    """Join ``config.address`` (or ``$RAY_ADDRESS``), else start a small local Ray, its ports on
+    loopback unless ``config.host`` opens the service to the network."""
     ray, _ = _ray()
     if ray.is_initialized():
         return
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-    else:
-        ray.init(include_dashboard=False, object_store_memory=config.object_store_mb * 2**20)
+        return
+    if not config.open_to_network:
+        _local_ray_on_loopback()
+    ray.init(include_dashboard=False, object_store_memory=config.object_store_mb * 2**20)
+    if not config.open_to_network:
+        node = ray.util.get_node_ip_address()
+        if not ipaddress.ip_address(node).is_loopback:
+            log.warning("sd-accel serve: the local Ray's ports listen on %s, not only on this machine "
+                        "(this Ray version ignores %s=0); a firewall should close them", node, _RAY_CLUSTER_ENV)
+
+
+# Ray's own switch (the default on macOS and Windows): a node that takes 127.0.0.1 as its address,
+# so that the GCS, raylet, object manager and agents listen on loopback only. Its value is read
+# when ray is imported (and by the processes Ray starts), hence both the variable and the constant.
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _local_ray_on_loopback() -> None:
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):  # another Ray layout: the check after ray.init says so
+        pass
 
 
 def resource_shortfall(config: ServeConfig, nodes: list[dict[str, Any]]) -> str | None:
