@@ -624,3 +624,25 @@ def test_resources_a_cluster_cannot_give_are_refused_before_deploying():
     assert resource_shortfall(ServeConfig(num_replicas=2, num_gpus=1), two_gpus) is None
     assert "0 replica(s) fit" in resource_shortfall(ServeConfig(num_gpus=2), two_gpus)  # no single node has 2
     assert resource_shortfall(ServeConfig(num_cpus=0, num_replicas=5), cpu_box) is None
+
+
+def test_build_missing_builds_the_batch_range_batching_needs_and_a_cap_is_said(tiny_factory, monkeypatch, caplog):
+    from sd_accel.serve import replica as replica_mod
+    from sd_accel.serve.deployment import build_profiles_for
+
+    pipe = tiny_factory("sd15")
+    (profile,) = build_profiles_for(ServeConfig(max_batch_size=4), pipe)
+    assert profile["batch"] == [1, 1, 4] and profile["height"] == [512, 512, 512]  # static-512, batch 1-4
+    assert build_profiles_for(ServeConfig(max_batch_size=1), pipe)[0]["batch"] == [1, 1, 1]
+    assert build_profiles_for(ServeConfig(build_preset="static-512"), pipe) is None  # the preset as asked
+    given = [{"batch": 2, "height": 64, "width": 64}]
+    assert build_profiles_for(ServeConfig(build_profiles=given), pipe) == given
+
+    # engines whose batch range stops below max_batch_size: said at start-up, with the fix
+    monkeypatch.setattr(replica_mod, "engine_batch_limit", lambda pipe, key: 1)
+    with caplog.at_level("WARNING", logger="sd_accel"):
+        server = replica_mod.ModelServer(ServeConfig(accel={"engines": False}, max_batch_size=4, num_cpus=1), pipe=pipe)
+    server.batcher.close()
+    assert "batching is capped at 1 image(s) per call" in caplog.text and "batch [1, 1, 4]" in caplog.text
+    monkeypatch.setattr(replica_mod, "engine_batch_limit", lambda pipe, key: None)  # torch: no cap
+    assert server.batch_cap_note() is None

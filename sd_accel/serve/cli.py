@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body taken; larger ones get 413 (default 1048576)")
     p.add_argument("--build-missing", action="store_true", default=None, help="build missing engines once before serving")
-    p.add_argument("--build-preset", default=None, help="the preset --build-missing builds (default: by model family)")
+    p.add_argument("--build-preset", default=None, help="the preset --build-missing builds (default: the family's, batch 1 to --max-batch-size)")
     p.add_argument("--address", default=None, help="Ray cluster address (default $RAY_ADDRESS, else a local Ray)")
 
 

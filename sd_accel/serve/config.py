@@ -55,7 +55,8 @@ class ServeConfig:
       ``Retry-After: retry_after_s``. ``request_timeout_s``: past it a request is cancelled (504).
       ``max_request_bytes`` (1 MiB): a larger body is refused (413) before it is read.
     - ``build_missing``: build the engines (``build_preset`` or ``build_profiles``, at
-      ``build_precision``) once before traffic, on a node of the replicas' kind.
+      ``build_precision``; by default the family's preset with batch 1 to ``max_batch_size``)
+      once before traffic, on a node of the replicas' kind.
     - ``address``: the Ray cluster to join (default ``$RAY_ADDRESS``, else a local Ray).
 
     >>> ServeConfig(max_batch_size=0)

@@ -143,16 +143,34 @@ def _build_task(data: dict[str, Any]) -> list[str]:
     if config.num_cpus:
         os.environ.setdefault("SD_ACCEL_ORT_THREADS", str(max(1, int(config.num_cpus))))
     pipe = load_pipeline(config.model, allow_pickle=config.allow_pickle)
+    profiles = build_profiles_for(config, pipe)
     records = build_engines(
         pipe,
-        preset=config.build_preset,
-        profiles=config.build_profiles,
+        preset=config.build_preset if profiles is None else None,
+        profiles=profiles,
         backend=config.accel.backend,
         precision=config.build_precision,
         engine_dir=config.engine_dir,
         progress=False,
     )
     return [r.name for r in records]
+
+
+def build_profiles_for(config: ServeConfig, pipe) -> list[dict[str, Any]] | None:
+    """The profiles ``--build-missing`` builds: ``build_profiles`` when given; with neither
+    those nor ``build_preset``, the family's default preset with the batch range up to
+    ``max_batch_size``, so that the batching the service is configured for can happen (a
+    static batch-1 engine caps every call at one image). None: ``build_preset`` decides."""
+    if config.build_profiles is not None or config.build_preset is not None:
+        return config.build_profiles
+    from sd_accel.profiles import default_preset, preset
+
+    family = getattr(getattr(pipe, "sd_accel_model", None), "family", None) or (
+        "sdxl" if hasattr(pipe, "text_encoder_2") else "sd15")
+    base = preset(default_preset(family)).to_dict()
+    if config.max_batch_size > 1:
+        base["batch"] = [1, 1, config.max_batch_size]
+    return [base]
 
 
 def build_missing(config: ServeConfig) -> list[str]:

@@ -125,7 +125,23 @@ class ModelServer:
             max_pending_images=self.config.max_ongoing_requests * self.config.max_batch_size,
             retry_after_s=self.config.retry_after_s,
         )
+        note = self.batch_cap_note()
+        if note:
+            log.warning("sd-accel serve: %s", note)
         log.info("sd-accel serve: replica %s ready (%s)", self.replica_id, self.model)
+
+    def batch_cap_note(self) -> str | None:
+        """Said at start-up when the engines at the model's default size take fewer images per call
+        than ``max_batch_size``: batching is capped there, silently otherwise."""
+        width, height = self.default_size()
+        key = BatchKey(width=width, height=height, steps=20, cfg=7.0, sampler=None)
+        cap = engine_batch_limit(self.pipe, key)
+        if cap is None or cap >= self.config.max_batch_size:
+            return None
+        return (f"batching is capped at {cap} image(s) per call at {width}x{height} by the engines' batch range "
+                f"(max_batch_size is {self.config.max_batch_size}): build engines whose batch reaches "
+                f"{self.config.max_batch_size} (build_profiles with batch [1, 1, {self.config.max_batch_size}], "
+                "or --build-missing without --build-preset), or lower --max-batch-size")
 
     # ------------------------------------------------------------------ requests
 
