@@ -247,3 +247,24 @@ def test_a_local_ray_listens_on_loopback_only():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert "node 127.0.0.1" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_the_build_worker_is_gone_once_the_engines_are_built(server):
+    """--build-missing runs as a one-shot Ray task: its worker process (the pipeline and the
+    build's heap) exits after the build instead of idling in Ray's pool for the service's life."""
+    import psutil
+
+    from sd_accel.serve.deployment import LAST_BUILD
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    pid = LAST_BUILD["worker_pid"]
+    deadline = time.monotonic() + 60  # Ray reaps the worker shortly after the task returns
+    while alive(pid):
+        assert time.monotonic() < deadline, f"the build worker {pid} is still alive"
+        time.sleep(0.2)
+    assert server.stats()["requests"] >= 0  # the service itself is still up

@@ -27,6 +27,8 @@ log = logging.getLogger("sd_accel")
 MODEL_DEPLOYMENT = "SdAccelModel"
 INGRESS_DEPLOYMENT = "SdAccelIngress"
 HEALTH_CHECK_PERIOD_S = 5.0
+# The last --build-missing run in this process: the pid of the Ray worker that built (gone after).
+LAST_BUILD: dict[str, int] = {}
 
 
 def _ray():
@@ -135,8 +137,9 @@ def build_application(config: ServeConfig):
     return ingress.bind(data, model.bind(data))
 
 
-def _build_task(data: dict[str, Any]) -> list[str]:
-    """Runs on a Ray worker with a replica's resources: build the engines that are missing."""
+def _build_task(data: dict[str, Any]) -> tuple[list[str], int]:
+    """Runs on a Ray worker with a replica's resources: build the engines that are missing.
+    Returns their names and the worker's pid."""
     from sd_accel import build_engines, load_pipeline
 
     config = ServeConfig.from_dict(data)
@@ -153,7 +156,7 @@ def _build_task(data: dict[str, Any]) -> list[str]:
         engine_dir=config.engine_dir,
         progress=False,
     )
-    return [r.name for r in records]
+    return [r.name for r in records], os.getpid()
 
 
 def build_profiles_for(config: ServeConfig, pipe) -> list[dict[str, Any]] | None:
@@ -177,9 +180,12 @@ def build_missing(config: ServeConfig) -> list[str]:
     """Build (or reuse) the engines of ``config`` once, on a node of the replicas' kind (same CPU
     and GPU request, so TensorRT engines match the replicas' GPUs), before any traffic."""
     ray, _ = _ray()
-    task = ray.remote(num_cpus=config.num_cpus, num_gpus=config.num_gpus, max_retries=0)(_build_task)
+    # max_calls=1: the worker exits once the build returns. Ray otherwise keeps it in its pool,
+    # holding the pipeline and the build's heap (0.7 GB for the tiny model) for the service's life.
+    task = ray.remote(num_cpus=config.num_cpus, num_gpus=config.num_gpus, max_retries=0, max_calls=1)(_build_task)
     start = time.perf_counter()
-    names = ray.get(task.remote(config.to_dict()))
+    names, build_worker_pid = ray.get(task.remote(config.to_dict()))
+    LAST_BUILD["worker_pid"] = build_worker_pid
     log.warning("sd-accel serve: %d engine(s) ready in %s (%.0f s)", len(names), config.engine_dir or "./engines",
                 time.perf_counter() - start)
     return names
