@@ -222,6 +222,9 @@ def test_a_killed_replica_errors_its_request_and_comes_back(server):
     r = asyncio.run(kill_during_request())
     assert r.status_code == 503 and "retry" in r.json()["detail"].lower(), r.text
     assert time.perf_counter() - start < 30  # an error, not a hang
+    with httpx.Client(timeout=60) as c:  # at once: Serve's own status still counts the dead replica RUNNING
+        h = c.get(server.url + "/sd-accel/health", headers=AUTH)
+    assert h.status_code == 503 and not h.json()["ok"], h.text
     deadline = time.perf_counter() + 120
     with httpx.Client(timeout=60) as c:
         while time.perf_counter() < deadline:

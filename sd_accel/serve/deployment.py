@@ -27,6 +27,7 @@ log = logging.getLogger("sd_accel")
 MODEL_DEPLOYMENT = "SdAccelModel"
 INGRESS_DEPLOYMENT = "SdAccelIngress"
 HEALTH_CHECK_PERIOD_S = 5.0
+PROBE_TIMEOUT_S = 2.0  # /sd-accel/health waits this long for a replica's own health check
 # The last --build-missing run in this process: the pid of the Ray worker that built (gone after).
 LAST_BUILD: dict[str, int] = {}
 
@@ -87,11 +88,36 @@ class RayBackend:
         if deployment is None:
             return {"ok": False, "status": "not deployed", "replicas": {}}
         replicas = {getattr(k, "value", str(k)): v for k, v in deployment.replica_states.items()}
-        return {
+        state = {
             "ok": replicas.get("RUNNING", 0) > 0,
             "status": getattr(deployment.status, "value", str(deployment.status)),
             "replicas": replicas,
         }
+        if state["ok"]:
+            # Serve's status trails a replica's death by a health-check period: ask the replicas.
+            state["answering"] = await self._answering()
+            if not state["answering"]:
+                state.update(ok=False, status="no replica answers its health check (one died; Ray replaces it)")
+        return state
+
+    async def _answering(self) -> int:
+        """How many of the model's replicas answer their health check within PROBE_TIMEOUT_S.
+        Called on the actors directly, not through the deployment's queue, so a busy replica
+        still answers (its event loop is free while a batch runs in its worker thread)."""
+        ray, _ = _ray()
+        prefix = f"SERVE_REPLICA::{self.app_name}#{MODEL_DEPLOYMENT}#"
+        actors = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        answered = 0
+        for entry in actors:
+            if not entry["name"].startswith(prefix):
+                continue
+            try:
+                actor = ray.get_actor(entry["name"], namespace=entry.get("namespace") or "serve")
+                await asyncio.wait_for(actor.check_health.remote(), PROBE_TIMEOUT_S)
+                answered += 1
+            except Exception:  # dead (RayActorError, gone from the registry), unhealthy or stuck
+                continue
+        return answered
 
 
 class Ingress:
