@@ -271,3 +271,65 @@ def test_the_build_worker_is_gone_once_the_engines_are_built(server):
         assert time.monotonic() < deadline, f"the build worker {pid} is still alive"
         time.sleep(0.2)
     assert server.stats()["requests"] >= 0  # the service itself is still up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_shutdown_answers_every_request_and_leaves_no_process(how):
+    """``sd-accel serve`` stopped with requests in flight, by SIGTERM (a process manager) or by
+    Ctrl-C (SIGINT to the terminal's whole process group): every request gets an answer (here
+    503: they run past the grace period), it exits, and no process of its own is left."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "sd_accel.cli", "serve", "--no-engines", "--port", str(port), "--num-cpus", "1",
+           "--shutdown-grace-s", "2", "--max-batch-size", "1", "--batch-wait-ms", "0"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        with httpx.Client(timeout=10) as c:
+            while True:
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "sd-accel serve did not come up"
+                try:
+                    if c.get(url + "/sd-accel/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        ours = psutil.Process(proc.pid).children(recursive=True)
+        assert any("raylet" in " ".join(p.cmdline()) for p in ours)  # the local Ray is ours
+
+        async def in_flight():
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {"prompt": "x", "steps": 150, "width": 256, "height": 256}
+                pending = [asyncio.create_task(client.post(url + "/sdapi/v1/txt2img", json=dict(body, seed=i)))
+                           for i in range(3)]
+                await asyncio.sleep(2.0)  # they reached the replica; each runs for many seconds
+                assert not any(p.done() for p in pending)
+                if how == "SIGTERM":
+                    proc.send_signal(signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, signal.SIGINT)
+                return await asyncio.gather(*pending, return_exceptions=True)
+
+        answers = asyncio.run(in_flight())
+        assert all(isinstance(a, httpx.Response) for a in answers), answers  # no dropped connection
+        assert {a.status_code for a in answers} <= {200, 503}
+        assert any("shut down before this request finished" in a.text for a in answers)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-3000:]
+        assert "answered 503" in out
+        _, alive = psutil.wait_procs(ours, timeout=15)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

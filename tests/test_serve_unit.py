@@ -646,3 +646,38 @@ def test_build_missing_builds_the_batch_range_batching_needs_and_a_cap_is_said(t
     assert "batching is capped at 1 image(s) per call" in caplog.text and "batch [1, 1, 4]" in caplog.text
     monkeypatch.setattr(replica_mod, "engine_batch_limit", lambda pipe, key: None)  # torch: no cap
     assert server.batch_cap_note() is None
+
+
+def test_a_drain_finishes_running_requests_within_the_grace_and_answers_the_rest_503():
+    import httpx
+
+    from sd_accel.serve.app import build_app
+
+    class Slow(_Backend):
+        async def generate(self, request):  # seed 1: quick, seed 2: past any grace period
+            self.delay = 0.3 if request["seed"] == 1 else 30
+            return await super().generate(request)
+
+    backend = Slow()
+    app = build_app(ServeConfig(retry_after_s=1), backend)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            running = [asyncio.ensure_future(c.post("/sdapi/v1/txt2img", json={"seed": s})) for s in (1, 2)]
+            while len(backend.calls) < 2:  # both reached the backend
+                await asyncio.sleep(0.01)
+            drain = asyncio.ensure_future(app.state.lifecycle.drain(1.0))
+            await asyncio.sleep(0)
+            late = await c.post("/sdapi/v1/txt2img", json={"seed": 3})
+            health = await c.get("/sd-accel/health")
+            return await asyncio.gather(*running), late, health, await drain
+
+    (quick, slow), late, health, drained = asyncio.run(scenario())
+    assert quick.status_code == 200  # finished within the grace period
+    assert slow.status_code == 503 and "shut down before this request finished" in slow.json()["detail"]
+    assert backend.cancelled  # its work was cancelled, not left running
+    assert late.status_code == 503 and "shutting down" in late.json()["detail"] and late.headers["retry-after"] == "1"
+    assert health.status_code == 503 and health.json()["status"] == "shutting down"
+    assert drained == {"running": 2, "cut_short": 1}
+    assert len(backend.calls) == 2  # the late one never reached the backend

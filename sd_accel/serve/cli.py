@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=None, help="requests waiting for a replica (default 16)")
     p.add_argument("--request-timeout-s", type=float, default=None)
     p.add_argument("--retry-after-s", type=float, default=None)
+    p.add_argument("--shutdown-grace-s", type=float, default=None,
+                   help="on Ctrl-C / SIGTERM, how long running requests may take to finish (default 30)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body taken; larger ones get 413 (default 1048576)")
     p.add_argument("--build-missing", action="store_true", default=None, help="build missing engines once before serving")
@@ -47,7 +49,7 @@ def config_from_args(args: argparse.Namespace):
     fields = {name: getattr(args, name) for name in (
         "model", "allow_pickle", "engine_dir", "host", "port", "token", "num_replicas", "num_cpus", "num_gpus",
         "max_batch_size", "batch_wait_ms", "max_ongoing_requests", "max_queued_requests", "request_timeout_s",
-        "retry_after_s", "max_request_bytes", "build_missing", "build_preset", "address")}
+        "retry_after_s", "max_request_bytes", "shutdown_grace_s", "build_missing", "build_preset", "address")}
     return make_config(args.config, accel=accel, **fields)
 
 

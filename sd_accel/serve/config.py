@@ -54,6 +54,8 @@ class ServeConfig:
       past ``num_replicas * max_ongoing_requests + max_queued_requests``, 503 with
       ``Retry-After: retry_after_s``. ``request_timeout_s``: past it a request is cancelled (504).
       ``max_request_bytes`` (1 MiB): a larger body is refused (413) before it is read.
+      ``shutdown_grace_s``: on Ctrl-C or SIGTERM, how long running requests may take to finish
+      (new ones get 503 at once; those still running after it get 503).
     - ``build_missing``: build the engines (``build_preset`` or ``build_profiles``, at
       ``build_precision``; by default the family's preset with batch 1 to ``max_batch_size``)
       once before traffic, on a node of the replicas' kind.
@@ -89,6 +91,7 @@ class ServeConfig:
     app_name: str = "sd-accel"
     object_store_mb: int = 256
     max_request_bytes: int = 1 << 20
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if isinstance(self.accel, dict):
@@ -126,6 +129,7 @@ class ServeConfig:
         _number_at_least("retry_after_s", self.retry_after_s, 0)
         _int_at_least("object_store_mb", self.object_store_mb, 64)
         _int_at_least("max_request_bytes", self.max_request_bytes, 1024)
+        _number_at_least("shutdown_grace_s", self.shutdown_grace_s, 0)
         if self.max_ongoing_requests < self.max_batch_size:
             _bad("max_ongoing_requests", self.max_ongoing_requests,
                  f"at least max_batch_size ({self.max_batch_size}), or batches can never fill")

@@ -9,10 +9,13 @@ a request gives the client an error, not a hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -128,7 +131,12 @@ class Ingress:
         self.backend = RayBackend(model, self.config.app_name)
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.config, self.backend)
+        self._asgi = build_app(self.config, self.backend)  # not "app": serve.ingress has that property
+        return self._asgi
+
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """Shutdown's first step (``app.Lifecycle.drain``): called through the deployment's handle."""
+        return await self._asgi.state.lifecycle.drain(grace_s)
 
 
 def build_application(config: ServeConfig):
@@ -217,16 +225,16 @@ def build_missing(config: ServeConfig) -> list[str]:
     return names
 
 
-def init_ray(config: ServeConfig) -> None:
+def init_ray(config: ServeConfig) -> bool:
     """Join ``config.address`` (or ``$RAY_ADDRESS``), else start a small local Ray, its ports on
-    loopback unless ``config.host`` opens the service to the network."""
+    loopback unless ``config.host`` opens the service to the network. True: a local Ray was started."""
     ray, _ = _ray()
     if ray.is_initialized():
-        return
+        return False
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-        return
+        return False
     if not config.open_to_network:
         _local_ray_on_loopback()
     ray.init(include_dashboard=False, object_store_memory=config.object_store_mb * 2**20)
@@ -235,6 +243,7 @@ def init_ray(config: ServeConfig) -> None:
         if not ipaddress.ip_address(node).is_loopback:
             log.warning("sd-accel serve: the local Ray's ports listen on %s, not only on this machine "
                         "(this Ray version ignores %s=0); a firewall should close them", node, _RAY_CLUSTER_ENV)
+    return True
 
 
 # Ray's own switch (the default on macOS and Windows): a node that takes 127.0.0.1 as its address,
@@ -336,7 +345,7 @@ def serve(config: ServeConfig | None = None, *, blocking: bool = True, **fields:
 
         config = dataclasses.replace(config, engine_dir=str(EngineCache(None).root))
     _, rserve = _ray()
-    init_ray(config)
+    started_ray = init_ray(config)
     check_resources(config)
     if config.build_missing:
         build_missing(config)
@@ -347,11 +356,75 @@ def serve(config: ServeConfig | None = None, *, blocking: bool = True, **fields:
     if blocking:
         print(f"sd-accel serve: {config.model} on {server.url} "
               f"({config.num_replicas} replica(s), batch up to {config.max_batch_size}); Ctrl-C stops it", flush=True)
+        # SIGTERM (what process managers send) takes the same way out as Ctrl-C.
+        previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
+            else None
         try:
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
             pass
         finally:
-            rserve.shutdown()
+            try:
+                shutdown(config, started_ray)
+            finally:
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
     return server
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def shutdown(config: ServeConfig, stop_ray: bool) -> None:
+    """Stop ``config``'s service without losing an answer: new requests get 503, running ones
+    have ``shutdown_grace_s`` to finish and the rest get 503, then the application goes; with
+    ``stop_ray`` (a local Ray this process started) Ray goes too, with every process it left
+    (its agents ignore SIGTERM). A second Ctrl-C skips the wait."""
+    ray, rserve = _ray()
+    grace = config.shutdown_grace_s
+    print(f"sd-accel serve: stopping: new requests get 503; running ones have {grace:g} s to finish", flush=True)
+    try:
+        handle = rserve.get_deployment_handle(INGRESS_DEPLOYMENT, config.app_name)
+        done = handle.drain.remote(grace).result(timeout_s=grace + 15)
+        print(f"sd-accel serve: {done['running'] - done['cut_short']} of {done['running']} running request(s) "
+              f"finished, {done['cut_short']} answered 503", flush=True)
+    except KeyboardInterrupt:
+        print("sd-accel serve: interrupted again: stopping without waiting", flush=True)
+    except Exception as exc:  # no ingress (it never started), Ray already going: stop anyway
+        log.warning("sd-accel serve: could not drain the requests (%s); stopping", exc)
+    leftovers = _descendants() if stop_ray else []
+    try:
+        rserve.shutdown()
+    finally:
+        if stop_ray:
+            ray.shutdown()
+            _end(leftovers)
+
+
+def _descendants() -> list:
+    """This process's descendants (psutil handles, which know a reused pid from the original)."""
+    try:
+        import psutil
+
+        return psutil.Process().children(recursive=True)
+    except Exception:  # no psutil (Ray brings it): Ray's own shutdown is all there is
+        return []
+
+
+def _end(processes: list, wait_s: float = 5.0) -> None:
+    """End the processes of a local Ray still alive after ``ray.shutdown()``: SIGTERM, then SIGKILL."""
+    if not processes:
+        return
+    import psutil
+
+    alive = [p for p in processes if p.is_running()]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=wait_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=wait_s)
