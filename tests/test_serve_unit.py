@@ -681,3 +681,22 @@ def test_a_drain_finishes_running_requests_within_the_grace_and_answers_the_rest
     assert health.status_code == 503 and health.json()["status"] == "shutting down"
     assert drained == {"running": 2, "cut_short": 1}
     assert len(backend.calls) == 2  # the late one never reached the backend
+
+
+def test_the_batch_wait_defaults_to_none_where_batching_was_not_measured_to_help(replica):
+    from types import SimpleNamespace
+
+    from sd_accel.serve.replica import default_batch_wait_ms
+
+    def pipe(device="cpu", *backends):
+        handles = [SimpleNamespace(record=SimpleNamespace(key=SimpleNamespace(backend=b))) for b in backends]
+        unet = SimpleNamespace(engines={"unet": SimpleNamespace(handles=handles)}) if backends else SimpleNamespace()
+        return SimpleNamespace(device=device, unet=unet)
+
+    assert default_batch_wait_ms(pipe("cuda:0"))[0] == 50
+    assert default_batch_wait_ms(pipe("cpu", "onnxruntime"))[0] == 50
+    wait, why = default_batch_wait_ms(pipe("cpu", "openvino"))
+    assert wait == 0 and why.startswith("openvino engines on the CPU")
+    assert default_batch_wait_ms(pipe("cpu")) == (0, "PyTorch on the CPU, where batching was not measured to help")
+    assert ServeConfig().batch_wait_ms is None and ServeConfig(batch_wait_ms=30).batch_wait_ms == 30
+    assert replica.batch_wait_ms == 200  # given: kept

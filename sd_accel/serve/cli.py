@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray reserves per replica (default 1)")
     p.add_argument("--num-gpus", type=float, default=None, help="GPUs per replica (1: one replica per GPU)")
     p.add_argument("--max-batch-size", type=int, default=None, help="images per pipeline call at most (default 4)")
-    p.add_argument("--batch-wait-ms", type=float, default=None, help="how long a request waits for company (default 50)")
+    p.add_argument("--batch-wait-ms", type=float, default=None,
+                   help="how long a request waits for company (default: 50 on a GPU or ONNX Runtime engines, else 0)")
     p.add_argument("--max-ongoing-requests", type=int, default=None, help="requests one replica holds (default 8)")
     p.add_argument("--max-queued-requests", type=int, default=None, help="requests waiting for a replica (default 16)")
     p.add_argument("--request-timeout-s", type=float, default=None)

@@ -48,7 +48,9 @@ class ServeConfig:
     - ``num_replicas``, ``num_cpus``, ``num_gpus``: replicas and what Ray reserves for each
       (one replica per GPU: ``num_gpus=1``).
     - ``max_batch_size``: the most images one pipeline call takes (the engines' batch range caps
-      it further); ``batch_wait_ms``: how long a request may wait for others to share its call.
+      it further); ``batch_wait_ms``: how long a request may wait for others to share its call
+      (None: by where the UNet runs, see ``replica.default_batch_wait_ms``; a call always takes
+      the compatible requests already waiting, whatever the wait).
     - ``max_ongoing_requests``: requests one replica holds (running and waiting for a batch);
       ``max_queued_requests``: requests waiting for a replica slot (for the whole application);
       past ``num_replicas * max_ongoing_requests + max_queued_requests``, 503 with
@@ -78,7 +80,7 @@ class ServeConfig:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     max_batch_size: int = 4
-    batch_wait_ms: float = 50.0
+    batch_wait_ms: float | None = None
     max_ongoing_requests: int = 8
     max_queued_requests: int = 16
     request_timeout_s: float = 300.0
@@ -124,7 +126,8 @@ class ServeConfig:
             _int_at_least(name, getattr(self, name), 1)
         _number_at_least("num_cpus", self.num_cpus, 0)
         _number_at_least("num_gpus", self.num_gpus, 0)
-        _number_at_least("batch_wait_ms", self.batch_wait_ms, 0)
+        if self.batch_wait_ms is not None:
+            _number_at_least("batch_wait_ms", self.batch_wait_ms, 0)
         _number_at_least("request_timeout_s", self.request_timeout_s, 0, strict=True)
         _number_at_least("retry_after_s", self.retry_after_s, 0)
         _int_at_least("object_store_mb", self.object_store_mb, 64)

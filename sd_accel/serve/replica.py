@@ -51,6 +51,33 @@ def clip_prompt(tokenizer, text: str | None) -> tuple[str | None, bool]:
     return text, count(text) > keep
 
 
+# Measured (scripts/BENCHMARKS.md, "Serving"): waiting for company raised images/min 1.4-1.8x on
+# ONNX Runtime engines of the tiny model at 128 px, where per-call overhead dominates; with
+# OpenVINO engines on 2 CPU cores (issue 27) batching and the wait gained nothing, since each call
+# is compute-bound there. GPUs run a batch in about the time of one image.
+BATCH_WAIT_MS = {"gpu": 50.0, "onnxruntime": 50.0, "cpu": 0.0}
+
+
+def default_batch_wait_ms(pipe) -> tuple[float, str]:
+    """``(batch_wait_ms, why)`` when the config leaves it to the replica: a wait only where
+    batching was measured to help (a GPU, ONNX Runtime engines); elsewhere (OpenVINO engines,
+    PyTorch on CPU) none: concurrent requests still share a call when they are queued together."""
+    device = str(getattr(pipe, "device", "cpu"))
+    if device.startswith("cuda"):
+        return BATCH_WAIT_MS["gpu"], "the UNet runs on a GPU"
+    engines = getattr(getattr(pipe, "unet", None), "engines", None)
+    backends: set[str] = set()
+    for component in (engines or {}).values():
+        for handle in getattr(component, "handles", []):
+            record = getattr(handle, "record", None)
+            if record is not None:
+                backends.add(record.key.backend)
+    if backends == {"onnxruntime"}:
+        return BATCH_WAIT_MS["onnxruntime"], "ONNX Runtime engines, where batching was measured to help"
+    what = f"{'/'.join(sorted(backends))} engines" if backends else "PyTorch"
+    return BATCH_WAIT_MS["cpu"], f"{what} on the CPU, where batching was not measured to help"
+
+
 class _DropTruncationWarning(logging.Filter):
     """diffusers warns on every call that a long prompt was truncated; the replica says it once."""
 
@@ -116,10 +143,15 @@ class ModelServer:
         self.unet_batches: collections.Counter[int] = collections.Counter()
         self.requests = 0
         pipe.unet.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
+        wait_ms = self.config.batch_wait_ms
+        if wait_ms is None:
+            wait_ms, why = default_batch_wait_ms(pipe)
+            log.info("sd-accel serve: batch_wait_ms %g (%s; --batch-wait-ms sets it)", wait_ms, why)
+        self.batch_wait_ms = wait_ms
         self.batcher = Batcher(
             run=self._run,
             limit=self._limit,
-            wait_s=self.config.batch_wait_ms / 1000.0,
+            wait_s=wait_ms / 1000.0,
             # Ray bounds the requests a replica holds (max_ongoing_requests); this bounds images,
             # which is what costs memory: at most that many requests of the largest batch.
             max_pending_images=self.config.max_ongoing_requests * self.config.max_batch_size,
