@@ -316,9 +316,15 @@ class Server:
         _, serve = _ray()
         return serve.get_deployment_handle(MODEL_DEPLOYMENT, self.app_name).stats.remote().result()
 
-    def shutdown(self) -> None:
-        """Remove the application (Ray and Serve keep running for others)."""
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Remove the application (Ray and Serve keep running for others), after a drain: new
+        requests get 503, running ones have ``grace_s`` to finish, the rest get 503."""
         _, serve = _ray()
+        try:
+            serve.get_deployment_handle(INGRESS_DEPLOYMENT, self.app_name).drain.remote(grace_s).result(
+                timeout_s=grace_s + 15)
+        except Exception as exc:  # the ingress is gone already: nothing to drain
+            log.warning("sd-accel serve: could not drain the requests (%s); removing the application", exc)
         serve.delete(self.app_name)
 
 
