@@ -103,12 +103,57 @@ def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
     if auto:
         log.info("engines='auto': %s engines found in %s; a call none covers builds one first",
                  sum(found.values()), cache.root)
-    elif not any(found.values()):
+        return found
+    if any(found.values()):
+        return found
+    device = str(getattr(pipe, "device", "cpu"))
+    others = engines_of_other_backends(pipe, cache, backend.name)
+    if config.backend == "auto":
+        # No backend pinned: the engines already built for another backend that runs here are
+        # worth more than torch (a build with backend="onnxruntime", an accelerate() with auto).
+        from sd_accel.backends.registry import auto_order
+
+        for name in auto_order(device):
+            if name not in others:
+                continue
+            try:
+                other = get_backend(name, cache_root=cache.root)
+            except Exception:  # DeviceError: cannot run here; the next one may
+                continue
+            found = swap_engines(pipe, cache, other, fallback=config.engine_fallback,
+                                 prefer_precision=config.engine_precision)
+            if any(found.values()):
+                log.warning("engines=True, backend='auto': %s has no engine for this model on %s (auto's first "
+                            "choice here); using its %s engines", cache.root, backend.name, name)
+                return found
+    if others:
+        listed = ", ".join(f"{n} ({k})" for n, k in others.items())
         log.warning(
-            "engines=True but %s holds no engine for this model on %s; run build_engines(pipe) or "
-            "`sd-accel build` first, or use engines='auto'. Running torch.", cache.root, backend.name,
+            "engines=True with backend=%r, but the engines %s holds for this model are of another backend: %s; "
+            "use AccelConfig(backend=%r) (or 'auto') to run them, or build_engines(pipe, backend=%r). Running torch.",
+            backend.name, cache.root, listed, next(iter(others)), backend.name,
         )
+        return found
+    log.warning(
+        "engines=True but %s holds no engine for this model on %s; run build_engines(pipe) or "
+        "`sd-accel build` first, or use engines='auto'. Running torch.", cache.root, backend.name,
+    )
     return found
+
+
+def engines_of_other_backends(pipe, cache, backend_name: str) -> dict[str, int]:
+    """Backend -> how many engines ``cache`` holds for ``pipe``'s components on backends other
+    than ``backend_name``, whether or not they run here. The fingerprints are the ones the swap
+    just cached on the modules: no weights are read again."""
+    from sd_accel.components import specs_for
+    from sd_accel.onnx.fingerprint import fingerprint
+    # Nothing was swapped in (no engine found): the pipeline's modules are its own.
+    wanted = {(component, fingerprint(spec.torch_module())) for component, spec in specs_for(pipe).items()}
+    counts: dict[str, int] = {}
+    for record in cache.list():
+        if record.key.backend != backend_name and (record.key.component, record.key.model) in wanted:
+            counts[record.key.backend] = counts.get(record.key.backend, 0) + 1
+    return counts
 
 
 # Precisions a build on first use cannot make: static INT8 needs calibration data captured from

@@ -57,8 +57,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     t_accel = time.perf_counter() - t0
     result = generate(pipe, request)
     image = result.images[0]
-    params = parameters_text(request.prompt, request.negative_prompt, request.steps, pipe.sd_accel.sampler,
-                             request.cfg, result.seed, image.width, image.height, args.model)
+    from sd_accel.samplers import webui_name
+
+    sampler = pipe.sd_accel.sampler or webui_name(pipe.scheduler) or type(pipe.scheduler).__name__
+    params = parameters_text(request.prompt, request.negative_prompt, request.steps, sampler, request.cfg,
+                             result.seed, image.width, image.height, args.model)
     paths = []
     for i, img in enumerate(result.images):
         out = args.out if i == 0 else args.out.with_name(f"{args.out.stem}-{i}{args.out.suffix}")

@@ -67,6 +67,9 @@ class GenerationParams:
         if self.sampler is not None:
             from sd_accel.samplers import resolve
 
+            if not isinstance(self.sampler, str):
+                _bad("sampler", self.sampler, "a sampler name such as 'Euler a' (`sd-accel samplers` lists them)")
+
             resolve(self.sampler)  # raises InvalidValue with the closest names
 
     def resolved_seed(self) -> int:

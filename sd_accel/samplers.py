@@ -285,6 +285,12 @@ def resolve(name: str, schedule: str | None = None) -> SamplerPreset:
     >>> resolve("dpm++ 2m", "karras").name
     'DPM++ 2M Karras'
     """
+    # Names come from request bodies too (a JSON 5 or list): say so rather than fail in re.sub.
+    if not isinstance(name, str):
+        raise InvalidValue(f"sampler name {name!r} is not valid; allowed: a string such as 'Euler a' "
+                           "(`sd-accel samplers` lists them)")
+    if schedule is not None and not isinstance(schedule, str):
+        raise InvalidValue(f"schedule type {schedule!r} is not valid; allowed: a string such as 'Karras'")
     sampler, suffix = _split(name)
     wanted = _find_schedule(schedule) if schedule is not None else AUTOMATIC
     if suffix not in (None, AUTOMATIC) and wanted not in (AUTOMATIC, suffix):
@@ -298,6 +304,46 @@ def resolve(name: str, schedule: str | None = None) -> SamplerPreset:
         )
     full_name = sampler.name if wanted == AUTOMATIC else f"{sampler.name} {wanted}"
     return _build_preset(sampler, wanted, full_name)
+
+
+# Schedule flags a scheduler's config can carry, and the WebUI schedule type each means.
+_SIGMA_FLAGS = (("use_karras_sigmas", "Karras"), ("use_exponential_sigmas", "Exponential"),
+                ("use_beta_sigmas", "Beta"))
+_SPACING_SCHEDULES = {"linspace": "Uniform", "trailing": "SGM Uniform", "leading": "DDIM"}
+
+
+def webui_name(scheduler: Any) -> str | None:
+    """The WebUI sampler name of a diffusers scheduler (or its config), or None when the WebUI
+    has no such sampler (e.g. PNDM with its Runge-Kutta warm-up).
+
+    A model's own scheduler is named by what it does, so an answer never reports a class name
+    such as ``PNDMScheduler``, which no WebUI client knows.
+
+    >>> import diffusers
+    >>> webui_name(diffusers.PNDMScheduler(skip_prk_steps=True))
+    'PLMS'
+    >>> webui_name(make_scheduler("DPM++ 2M Karras", {}))
+    'DPM++ 2M Karras'
+    """
+    config = getattr(scheduler, "config", scheduler)
+    cls = type(scheduler).__name__ if hasattr(scheduler, "config") else config.get("_class_name")
+    config = dict(config) if isinstance(config, Mapping) else {}
+    # The most specific match wins: "DPM++ 2M SDE Heun" pins solver_type, "DPM++ 2M SDE" does not.
+    matches = [s for s in _SAMPLERS if s.scheduler_class == cls
+               and all(config.get(k, v) == v for k, v in s.kwargs)]
+    if not matches:
+        return None
+    sampler = max(matches, key=lambda s: len(s.kwargs))
+    schedule = next((label for flag, label in _SIGMA_FLAGS if config.get(flag)), None)
+    spacing = config.get("timestep_spacing", "linspace")
+    model_spacing = dict(getattr(scheduler, _MODEL_CONFIG_ATTR, None) or config).get("timestep_spacing", "linspace")
+    # The plain name means the sampler's default schedule (Karras for DPM++ 2M) or, where that is
+    # Automatic, the model's own spacing: name the spacing whenever it is not what the plain name means.
+    if schedule is None and (sampler.default_schedule != AUTOMATIC or spacing != model_spacing):
+        schedule = _SPACING_SCHEDULES.get(spacing)
+    if schedule is None or schedule not in sampler.schedules:
+        return sampler.name
+    return f"{sampler.name} {schedule}"
 
 
 def make_scheduler(name: str, base_config: Any, schedule: str | None = None):
@@ -387,7 +433,12 @@ def _split(name: str) -> tuple[_Sampler, str | None]:
         prefix = key[: -len(sched_key)]
         if key.endswith(sched_key) and prefix:
             _raise_if_unsupported_sampler(prefix, name)
-    raise InvalidValue(f"unknown sampler {name!r}{_suggest(name, list_presets(), list_samplers())}")
+    raise InvalidValue(f"unknown sampler {name!r}{_suggest(name, list_presets(), list_samplers())}{_see_all()}")
+
+
+def _see_all() -> str:
+    # Samplers times schedules is too many to print in an error; the command lists them.
+    return f"; `sd-accel samplers` lists all {len(list_presets())} names (sampler and schedule)"
 
 
 def _raise_if_unsupported_sampler(key: str, name: str) -> None:
@@ -404,7 +455,7 @@ def _find_sampler(name: str) -> _Sampler:
     if key in _SAMPLER_INDEX:
         return _SAMPLER_INDEX[key]
     _raise_if_unsupported_sampler(key, name)
-    raise InvalidValue(f"unknown sampler {name!r}{_suggest(name, list_samplers(), list_samplers())}")
+    raise InvalidValue(f"unknown sampler {name!r}{_suggest(name, list_samplers(), list_samplers())}{_see_all()}")
 
 
 def _find_schedule(name: str) -> str:

@@ -356,3 +356,26 @@ def test_first_call_hands_back_the_mapped_weights_the_plugin_copied(built, monke
     assert left > 0.5 * size, (left, size)  # without the hand-back the plugin leaves them resident
     assert handed < 0.1 * size, (handed, size)
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_unpinned_accelerate_uses_engines_of_another_backend_and_a_pinned_one_says_so(tmp_path, caplog):
+    """Built with backend="onnxruntime", then accelerate() with no backend pinned (auto: OpenVINO
+    first on this CPU): the ONNX Runtime engines run, and the log says which. Pinned to OpenVINO,
+    the log says the engines are of another backend instead of only "no engine"."""
+    import logging
+
+    pipe = load_pipeline("builtin:tiny-sd15")
+    build_engines(pipe, profiles=[STATIC], backend="onnxruntime", components=["unet"], engine_dir=tmp_path,
+                  progress=False)
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        pipe = accelerate(pipe, AccelConfig(engines=True, engine_dir=str(tmp_path)))
+    assert pipe.unet.engines["unet"].handles, stats(pipe)
+    assert {h.record.key.backend for h in pipe.unet.engines["unet"].handles} == {"onnxruntime"}
+    assert "has no engine for this model on openvino" in caplog.text and "using its onnxruntime engines" in caplog.text
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        pipe = accelerate(pipe, AccelConfig(engines=True, backend="openvino", engine_dir=str(tmp_path)))
+    assert "are of another backend: onnxruntime (1)" in caplog.text
+    assert "AccelConfig(backend='onnxruntime')" in caplog.text

@@ -495,3 +495,37 @@ def test_v_prediction_is_kept(sd2v):
         apply_sampler(pipe, name)
         assert pipe.scheduler.config.prediction_type == "v_prediction"
         _assert_image(_generate(pipe))
+
+
+def test_webui_name_of_every_scheduler_made_here_names_the_same_scheduler(tiny_sd15):
+    """The name an answer reports for a scheduler builds that scheduler again (a model's own
+    scheduler included: SD 1.5's PNDM config is the WebUI's PLMS, not 'PNDMScheduler')."""
+    import diffusers
+
+    from sd_accel.core import MissingDependency
+    from sd_accel.samplers import webui_name
+
+    assert type(tiny_sd15.scheduler).__name__ == "PNDMScheduler"
+    assert webui_name(tiny_sd15.scheduler) == "PLMS"
+    assert webui_name(diffusers.PNDMScheduler(skip_prk_steps=False)) is None  # no WebUI sampler does PRK
+
+    def plain(config):
+        return {k: v for k, v in dict(config).items() if not k.startswith("_")}
+
+    checked = 0
+    for name in list_presets(available_only=True):
+        try:
+            made = make_scheduler(name, tiny_sd15.scheduler)
+        except MissingDependency:
+            continue
+        again = make_scheduler(webui_name(made), tiny_sd15.scheduler)
+        assert type(again) is type(made) and plain(again.config) == plain(made.config), (name, webui_name(made))
+        checked += 1
+    assert checked > 50
+
+
+def test_unknown_sampler_points_to_the_command_that_lists_every_name():
+    with pytest.raises(ValueError, match=r"`sd-accel samplers` lists all \d+ names"):
+        resolve("zzzz")
+    with pytest.raises(ValueError, match=r"closest matches: Euler.*`sd-accel samplers` lists all"):
+        resolve("Eular")

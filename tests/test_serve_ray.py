@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import socket
 import time
 
@@ -219,6 +220,9 @@ def test_a_killed_replica_errors_its_request_and_comes_back(server):
     r = asyncio.run(kill_during_request())
     assert r.status_code == 503 and "retry" in r.json()["detail"].lower(), r.text
     assert time.perf_counter() - start < 30  # an error, not a hang
+    with httpx.Client(timeout=60) as c:  # at once: Serve's own status still counts the dead replica RUNNING
+        h = c.get(server.url + "/sd-accel/health", headers=AUTH)
+    assert h.status_code == 503 and not h.json()["ok"], h.text
     deadline = time.perf_counter() + 120
     with httpx.Client(timeout=60) as c:
         while time.perf_counter() < deadline:
@@ -231,3 +235,99 @@ def test_a_killed_replica_errors_its_request_and_comes_back(server):
         else:
             pytest.fail("the replica did not come back within 120 s")
     assert json.loads(r.json()["info"])["sd_accel"]["replica"] != old
+
+
+@pytest.mark.slow
+def test_a_local_ray_listens_on_loopback_only():
+    """The service listens on 127.0.0.1 by default: so do the ports of the local Ray it starts."""
+    import subprocess
+    import sys
+
+    code = ("import ray\nfrom sd_accel.serve.config import ServeConfig\nfrom sd_accel.serve.deployment import init_ray\n"
+            "init_ray(ServeConfig(object_store_mb=80))\nprint('node', ray.util.get_node_ip_address())\nray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "node 127.0.0.1" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_the_build_worker_is_gone_once_the_engines_are_built(server):
+    """--build-missing runs as a one-shot Ray task: its worker process (the pipeline and the
+    build's heap) exits after the build instead of idling in Ray's pool for the service's life."""
+    import psutil
+
+    from sd_accel.serve.deployment import LAST_BUILD
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    pid = LAST_BUILD["worker_pid"]
+    deadline = time.monotonic() + 60  # Ray reaps the worker shortly after the task returns
+    while alive(pid):
+        assert time.monotonic() < deadline, f"the build worker {pid} is still alive"
+        time.sleep(0.2)
+    assert server.stats()["requests"] >= 0  # the service itself is still up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_shutdown_answers_every_request_and_leaves_no_process(how):
+    """``sd-accel serve`` stopped with requests in flight, by SIGTERM (a process manager) or by
+    Ctrl-C (SIGINT to the terminal's whole process group): every request gets an answer (here
+    503: they run past the grace period), it exits, and no process of its own is left."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "sd_accel.cli", "serve", "--no-engines", "--port", str(port), "--num-cpus", "1",
+           "--shutdown-grace-s", "2", "--max-batch-size", "1", "--batch-wait-ms", "0"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        with httpx.Client(timeout=10) as c:
+            while True:
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "sd-accel serve did not come up"
+                try:
+                    if c.get(url + "/sd-accel/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        ours = psutil.Process(proc.pid).children(recursive=True)
+        assert any("raylet" in " ".join(p.cmdline()) for p in ours)  # the local Ray is ours
+
+        async def in_flight():
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {"prompt": "x", "steps": 150, "width": 256, "height": 256}
+                pending = [asyncio.create_task(client.post(url + "/sdapi/v1/txt2img", json=dict(body, seed=i)))
+                           for i in range(3)]
+                await asyncio.sleep(2.0)  # they reached the replica; each runs for many seconds
+                assert not any(p.done() for p in pending)
+                if how == "SIGTERM":
+                    proc.send_signal(signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, signal.SIGINT)
+                return await asyncio.gather(*pending, return_exceptions=True)
+
+        answers = asyncio.run(in_flight())
+        assert all(isinstance(a, httpx.Response) for a in answers), answers  # no dropped connection
+        assert {a.status_code for a in answers} <= {200, 503}
+        assert any("shut down before this request finished" in a.text for a in answers)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-3000:]
+        assert "answered 503" in out
+        _, alive = psutil.wait_procs(ours, timeout=15)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -120,12 +120,12 @@ def test_txt2img_maps_webui_fields_onto_generation_params():
     ({"height": 0}, r"GenerationParams\.height=0"),
     ({"steps": 0}, r"GenerationParams\.steps=0 .*from 1 to 150"),
     ({"steps": 151}, r"GenerationParams\.steps=151"),
-    ({"steps": "20"}, r"GenerationParams\.steps='20'"),
+    ({"steps": "20"}, r"txt2img field steps='20' is not valid; allowed: an integer"),
     ({"sampler_name": "Eulr a"}, "unknown sampler 'Eulr a'; closest matches: Euler a"),
     ({"cfg_scale": -1}, r"GenerationParams\.cfg=-1"),
     ({"batch_size": 40, "n_iter": 2}, "80 images; at most 64"),
     ({"n_iter": 0}, "n_iter=0"),
-    ({"enable_hr": True}, "enable_hr=True is not supported"),
+    ({"enable_hr": True}, "enable_hr=true is not supported"),
     ({"alwayson_scripts": {"controlnet": {}}}, "alwayson_scripts=.* is not supported"),
     ([1, 2], "must be a JSON object"),
 ])
@@ -374,6 +374,85 @@ def test_app_bad_requests_get_422_and_never_reach_the_backend():
     assert backend.calls == []
 
 
+# Each malformed body: raw bytes (JSON that json.dumps would not write) or an object, and the
+# field the 422 must name. Types are checked before values: none of these may reach a validator
+# that fails with a TypeError (a 500).
+_DEEP = 100_000
+BAD_BODIES = [
+    ({"sampler_name": 123}, "sampler_name=123"),
+    ({"sampler_name": ["Euler a"]}, "sampler_name="),
+    ({"sampler_name": {}}, "sampler_name={}"),
+    ({"sampler_name": True}, "sampler_name=true"),
+    ({"sampler_index": 5}, "sampler_index=5"),
+    ({"sampler_name": "Euler", "scheduler": 5}, "scheduler=5"),
+    ({"sampler_name": 5, "scheduler": "Karras"}, "sampler_name=5"),
+    ({"prompt": 5}, "prompt=5"),
+    ({"prompt": None}, "prompt=null"),
+    ({"negative_prompt": ["x"]}, "negative_prompt="),
+    ({"steps": "20"}, "steps='20'"),
+    ({"steps": 20.5}, "steps=20.5"),
+    ({"steps": True}, "steps=true"),
+    ({"cfg_scale": "7"}, "cfg_scale='7'"),
+    (b'{"cfg_scale": NaN}', "cfg_scale=nan"),
+    (b'{"my_field": [1, Infinity]}', r"my_field\[1\]=inf"),
+    ({"width": "64"}, "width='64'"),
+    ({"height": [64]}, "height="),
+    ({"seed": 1.5}, "seed=1.5"),
+    ({"batch_size": "2"}, "batch_size='2'"),
+    ({"n_iter": "2"}, "n_iter='2'"),
+    ({"send_images": "yes"}, "send_images='yes'"),
+    ({"enable_hr": "yes"}, "enable_hr='yes'"),
+    (b"[" * _DEEP + b"]" * _DEEP, "nested at most"),
+    (b'{"prompt": "x", "extra": ' + b"[" * _DEEP + b"]" * _DEEP + b"}", "nested at most"),
+    ({"styles": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["s"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "styles.* nests deeper"),
+    ({"alwayson_scripts": {"a": {"args": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}},
+     "alwayson_scripts.a.args.* nests deeper"),
+    ([1, 2], "must be a JSON object"),
+    (b'"a string"', "must be a JSON object"),
+    (b"null", "must be a JSON object"),
+    (b"", "must be a JSON object"),
+    (b"\xff\xfe", "must be a JSON object"),
+    (b"{not json", "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("body, names", BAD_BODIES, ids=[str(i) for i in range(len(BAD_BODIES))])
+def test_app_every_malformed_body_gets_a_422_naming_the_field(body, names):
+    import re
+
+    backend = _Backend()
+    c = _client(backend)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = c.post("/sdapi/v1/txt2img", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422, (r.status_code, r.text[:300])
+    assert r.headers["content-type"] == "application/json"
+    detail = r.json()["detail"]
+    assert re.search(names, detail), detail
+    assert len(detail) < 400  # a huge or deep value is named, not echoed
+    assert backend.calls == []
+
+
+def test_app_refuses_a_body_over_the_limit_before_reading_it():
+    backend = _Backend()
+    c = _client(backend, max_request_bytes=4096)
+    big = json.dumps({"prompt": "x" * 5000}).encode()
+    r = c.post("/sdapi/v1/txt2img", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "at most 4096" in r.json()["detail"]
+
+    def chunked():  # no Content-Length: the limit holds while reading
+        for _ in range(10):
+            yield b" " * 1000
+        yield b"{}"
+
+    r = c.post("/sdapi/v1/txt2img", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "more than 4096" in r.json()["detail"]
+    assert backend.calls == []
+    assert c.post("/sdapi/v1/txt2img", json={"prompt": "x" * 3000}).status_code == 200
+    assert ServeConfig().max_request_bytes == 1 << 20
+    with pytest.raises(InvalidValue, match="max_request_bytes=10 "):
+        ServeConfig(max_request_bytes=10)
+
+
 def test_app_maps_busy_dead_and_slow_backends():
     from sd_accel.serve.app import Busy, Unavailable
 
@@ -478,3 +557,146 @@ def test_app_admits_a_burst_up_to_capacity_and_refuses_the_rest():
     codes = sorted(r.status_code for r in asyncio.run(burst()))
     assert codes == [200, 200, 200, 503, 503, 503]  # 2 in the replica + 1 queued; the rest told to retry
     assert len(backend.calls) == 3
+
+
+def test_a_sampler_that_is_not_a_string_is_an_invalid_value_everywhere():
+    from sd_accel.generate import GenerationParams
+    from sd_accel.samplers import resolve
+
+    for bad in (5, ["Euler"], {}, True):
+        with pytest.raises(InvalidValue, match=r"GenerationParams\.sampler="):
+            GenerationParams(sampler=bad)
+        with pytest.raises(InvalidValue, match="sampler name .* allowed: a string"):
+            resolve(bad)
+    with pytest.raises(InvalidValue, match="schedule type 5"):
+        resolve("Euler", 5)
+
+
+def test_replica_says_once_that_clip_ignores_the_end_of_a_long_prompt(replica, caplog):
+    from sd_accel.serve.replica import PROMPT_SCAN_CHARS, clip_prompt
+
+    huge = "a red cube on a table, " * 20_000  # ~460 kB
+    kept, dropped = clip_prompt(replica.tokenizer, huge)
+    assert dropped and len(kept) <= PROMPT_SCAN_CHARS and huge.startswith(kept)
+    assert clip_prompt(replica.tokenizer, "a red cube") == ("a red cube", False)
+    assert clip_prompt(replica.tokenizer, "a red cube, " * 40)[1]  # > 75 tokens, < the scan length
+
+    req = {"prompt": huge, "steps": 2, "cfg": 7.0, "width": 64, "height": 64, "seed": 3, "batch": 1}
+    replica._said_truncation = False
+    with caplog.at_level("WARNING", logger="sd_accel"):
+        out = asyncio.run(replica.generate(req))
+        again = asyncio.run(replica.generate(dict(req, negative_prompt="blurry")))
+    said = [r for r in caplog.records if "CLIP reads" in r.getMessage()]
+    assert len(said) == 1  # once per replica, not per call
+    assert not any("truncated because CLIP" in r.getMessage() for r in caplog.records)  # diffusers' own
+    assert len(out["warnings"]) == 1 and out["warnings"][0].startswith("prompt is longer than the 75 tokens")
+    assert again["warnings"] == out["warnings"]
+    # what ran is what CLIP reads of the whole prompt; the infotext keeps the prompt as sent
+    short = asyncio.run(replica.generate(dict(req, prompt=" ".join(huge.split()[:200]))))
+    assert_same_image(out["images"][0], short["images"][0])
+    assert short["warnings"] == out["warnings"]
+    assert huge.strip() in out["infotexts"][0]
+    plain = asyncio.run(replica.generate(dict(req, prompt="a red cube")))
+    assert plain["warnings"] == []
+
+
+def test_replica_reports_the_webui_name_of_the_models_own_scheduler(tiny_factory):
+    from sd_accel.serve.replica import ModelServer
+
+    server = ModelServer(ServeConfig(accel={"engines": False}, num_cpus=1), pipe=tiny_factory("sd15"))
+    out = asyncio.run(server.generate({"prompt": "x", "steps": 2, "width": 64, "height": 64, "seed": 1}))
+    assert out["sampler"] == "PLMS" and "Sampler: PLMS," in out["infotexts"][0]  # not PNDMScheduler
+    server.batcher.close()
+
+
+def test_resources_a_cluster_cannot_give_are_refused_before_deploying():
+    from sd_accel.serve.deployment import resource_shortfall
+
+    cpu_box = [{"Alive": True, "Resources": {"CPU": 2.0, "memory": 1e9}}]
+    assert resource_shortfall(ServeConfig(), cpu_box) is None
+    why = resource_shortfall(ServeConfig(num_gpus=1), cpu_box)  # the README's example on a CPU machine
+    assert "1 replica(s) of 1 CPU and 1 GPU each do not fit" in why and "0 CPU" not in why
+    assert "this cluster has no GPU: leave --num-gpus out" in why
+    why = resource_shortfall(ServeConfig(num_replicas=3, num_cpus=1), cpu_box)
+    assert "2 replica(s) fit" in why and "no GPU" not in why
+    two_gpus = [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0}}, {"Alive": False, "Resources": {"GPU": 4.0}},
+                {"Resources": {"CPU": 8.0, "GPU": 1.0}}]
+    assert resource_shortfall(ServeConfig(num_replicas=2, num_gpus=1), two_gpus) is None
+    assert "0 replica(s) fit" in resource_shortfall(ServeConfig(num_gpus=2), two_gpus)  # no single node has 2
+    assert resource_shortfall(ServeConfig(num_cpus=0, num_replicas=5), cpu_box) is None
+
+
+def test_build_missing_builds_the_batch_range_batching_needs_and_a_cap_is_said(tiny_factory, monkeypatch, caplog):
+    from sd_accel.serve import replica as replica_mod
+    from sd_accel.serve.deployment import build_profiles_for
+
+    pipe = tiny_factory("sd15")
+    (profile,) = build_profiles_for(ServeConfig(max_batch_size=4), pipe)
+    assert profile["batch"] == [1, 1, 4] and profile["height"] == [512, 512, 512]  # static-512, batch 1-4
+    assert build_profiles_for(ServeConfig(max_batch_size=1), pipe)[0]["batch"] == [1, 1, 1]
+    assert build_profiles_for(ServeConfig(build_preset="static-512"), pipe) is None  # the preset as asked
+    given = [{"batch": 2, "height": 64, "width": 64}]
+    assert build_profiles_for(ServeConfig(build_profiles=given), pipe) == given
+
+    # engines whose batch range stops below max_batch_size: said at start-up, with the fix
+    monkeypatch.setattr(replica_mod, "engine_batch_limit", lambda pipe, key: 1)
+    with caplog.at_level("WARNING", logger="sd_accel"):
+        server = replica_mod.ModelServer(ServeConfig(accel={"engines": False}, max_batch_size=4, num_cpus=1), pipe=pipe)
+    server.batcher.close()
+    assert "batching is capped at 1 image(s) per call" in caplog.text and "batch [1, 1, 4]" in caplog.text
+    monkeypatch.setattr(replica_mod, "engine_batch_limit", lambda pipe, key: None)  # torch: no cap
+    assert server.batch_cap_note() is None
+
+
+def test_a_drain_finishes_running_requests_within_the_grace_and_answers_the_rest_503():
+    import httpx
+
+    from sd_accel.serve.app import build_app
+
+    class Slow(_Backend):
+        async def generate(self, request):  # seed 1: quick, seed 2: past any grace period
+            self.delay = 0.3 if request["seed"] == 1 else 30
+            return await super().generate(request)
+
+    backend = Slow()
+    app = build_app(ServeConfig(retry_after_s=1), backend)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            running = [asyncio.ensure_future(c.post("/sdapi/v1/txt2img", json={"seed": s})) for s in (1, 2)]
+            while len(backend.calls) < 2:  # both reached the backend
+                await asyncio.sleep(0.01)
+            drain = asyncio.ensure_future(app.state.lifecycle.drain(1.0))
+            await asyncio.sleep(0)
+            late = await c.post("/sdapi/v1/txt2img", json={"seed": 3})
+            health = await c.get("/sd-accel/health")
+            return await asyncio.gather(*running), late, health, await drain
+
+    (quick, slow), late, health, drained = asyncio.run(scenario())
+    assert quick.status_code == 200  # finished within the grace period
+    assert slow.status_code == 503 and "shut down before this request finished" in slow.json()["detail"]
+    assert backend.cancelled  # its work was cancelled, not left running
+    assert late.status_code == 503 and "shutting down" in late.json()["detail"] and late.headers["retry-after"] == "1"
+    assert health.status_code == 503 and health.json()["status"] == "shutting down"
+    assert drained == {"running": 2, "cut_short": 1}
+    assert len(backend.calls) == 2  # the late one never reached the backend
+
+
+def test_the_batch_wait_defaults_to_none_where_batching_was_not_measured_to_help(replica):
+    from types import SimpleNamespace
+
+    from sd_accel.serve.replica import default_batch_wait_ms
+
+    def pipe(device="cpu", *backends):
+        handles = [SimpleNamespace(record=SimpleNamespace(key=SimpleNamespace(backend=b))) for b in backends]
+        unet = SimpleNamespace(engines={"unet": SimpleNamespace(handles=handles)}) if backends else SimpleNamespace()
+        return SimpleNamespace(device=device, unet=unet)
+
+    assert default_batch_wait_ms(pipe("cuda:0"))[0] == 50
+    assert default_batch_wait_ms(pipe("cpu", "onnxruntime"))[0] == 50
+    wait, why = default_batch_wait_ms(pipe("cpu", "openvino"))
+    assert wait == 0 and why.startswith("openvino engines on the CPU")
+    assert default_batch_wait_ms(pipe("cpu")) == (0, "PyTorch on the CPU, where batching was not measured to help")
+    assert ServeConfig().batch_wait_ms is None and ServeConfig(batch_wait_ms=30).batch_wait_ms == 30
+    assert replica.batch_wait_ms == 200  # given: kept

@@ -520,3 +520,72 @@ def test_unet_that_needs_divisible_sizes_is_exported_at_one():
     assert latent_ok((8, 8), 2) and not latent_ok((9, 8), 2) and latent_ok((9, 8), 1)
     assert LdmUNetSpec(UNetModel("sd15")).export_side() % 2 == 1  # the diffusers-style UNet resizes
     harness.purge()
+
+
+@pytest.mark.slow
+def test_default_build_of_a_full_precision_a1111_unet_on_openvino(tmp_path):
+    """A real A1111 at full precision (``--no-half``) runs ``h = x.type(self.dtype)`` first: in the
+    export ``x`` feeds a Cast, and OpenVINO names the converted input after the Cast's output.
+    The default build (backend ``auto``: OpenVINO on a CPU) must build that UNet and run on it."""
+    pytest.importorskip("openvino")
+    import types
+
+    webui = harness.start(tmp_path, options={"sd_accel_backend": "auto"})
+    unet = webui.shared.sd_model.model.diffusion_model
+    plain = unet.forward
+
+    def a1111_forward(self, x, timesteps=None, context=None, y=None, **kwargs):
+        h = x.type(torch.float32)  # openaimodel.UNetModel.forward with self.dtype = float32
+        extra = {"y": y} if y is not None else {}
+        return plain(h, timesteps, context, **extra, **kwargs).type(x.dtype)
+
+    unet.forward = types.MethodType(a1111_forward, unet)
+    try:
+        r = webui.client().post("/sd-accel/build", json={"profile": STATIC.to_dict()})  # the issue's request
+        assert r.status_code == 200, r.text
+        built = r.json()["built"]
+        assert {e["component"] for e in built} >= {"ldm_unet"} and len(built) >= 3, built  # UNet, VAE, CLIP
+        assert {e["backend"] for e in built} == {"openvino"}, built
+        webui.sd_unet.list_unets()
+        webui.shared.opts.sd_unet = "Automatic"
+        webui.txt2img(prompt="a cat", steps=1)
+        assert _counts(webui)[0] > 0  # the job ran on the engine
+    finally:
+        harness.purge()
+
+
+@pytest.mark.slow
+def test_engines_of_another_backend_run_under_auto_and_a_pinned_backend_says_why_not(tmp_path, capsys):
+    """Built with "backend": "onnxruntime" while the setting says auto (OpenVINO first on a CPU
+    WebUI): the SD-UNet option is offered and the job runs on those engines, said once. With the
+    setting pinned to OpenVINO, the job's report and the tab say why they are not used."""
+    pytest.importorskip("openvino")
+    from sd_accel.webui.controller import controller
+    from sd_accel.webui.tab import status_markdown
+
+    webui = harness.start(tmp_path, options={"sd_accel_backend": "auto"})
+    try:
+        assert controller().backend().name == "openvino"
+        r = webui.client().post("/sd-accel/build", json={"profile": STATIC.to_dict(), "components": ["unet"],
+                                                         "backend": "onnxruntime"})
+        assert r.status_code == 200, r.text
+        assert [e["backend"] for e in r.json()["built"]] == ["onnxruntime"]
+        webui.sd_unet.list_unets()
+        assert [o.label for o in webui.sd_unet.unet_options] == ["[sd-accel] tiny-sd15"]
+        webui.shared.opts.sd_unet = "Automatic"
+        capsys.readouterr()
+        webui.txt2img(prompt="a cat", steps=1)
+        assert _counts(webui)[0] > 0
+        out = capsys.readouterr().out
+        assert "using its onnxruntime engines (backend auto; openvino" in out
+        assert "jobs run on their onnxruntime engines" in status_markdown()
+
+        webui.shared.opts.data["sd_accel_backend"] = "openvino"
+        controller().engines_changed()
+        webui.txt2img(prompt="a cat", steps=1)
+        assert _counts(webui)[0] == 0
+        report = controller().job_finished() or ""
+        assert "are onnxruntime engines, but the backend setting is openvino: they are not used" in report
+        assert "**Engines not used**" in status_markdown()
+    finally:
+        harness.purge()

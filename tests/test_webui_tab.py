@@ -182,6 +182,32 @@ def test_console_lines_never_glue_onto_a_progress_bar(tmp_path, monkeypatch):
     assert line == "sd-accel: ldm_unet: running torch for this call: no engine covers x"
 
 
+def test_the_job_summary_starts_its_own_line_below_a1111s_total_progress_bar(monkeypatch):
+    """A1111's "Total progress" bar sits at position 1 and is still open when the job's summary is
+    printed: tqdm.write moves up from it with a cursor-up code, which in a console log glued the
+    summary onto the bar's line. The summary's line must begin after a line end."""
+    from tqdm import tqdm
+
+    from sd_accel.webui.console import say
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stream)
+    with tqdm(total=3, file=stream, desc="Sampling") as sampling:
+        sampling.update(3)
+    with tqdm(total=10, position=1, file=stream, desc="Total progress") as total:
+        total.update(3)
+        say("sd-accel: UNet calls this job: 3 on engines, 0 in PyTorch\nsd-accel: VAE calls this job: 1 on engines")
+    text = stream.getvalue()
+    start = text.index("sd-accel: UNet calls")
+    assert text[start - 1] == "\n", repr(text[max(0, start - 20):start + 10])
+    assert "\x1b[Asd-accel" not in text
+    # with no bar below, a line is printed as it is (no blank line before it)
+    stream.seek(0)
+    stream.truncate()
+    say("sd-accel: plain")
+    assert stream.getvalue() == "sd-accel: plain\n"
+
+
 def test_auto_backend_is_the_fastest_cpu_backend_on_a_cpu_webui(tmp_path, monkeypatch):
     """Issue 15.8: on a WebUI that computes on the CPU, ``auto`` builds and runs OpenVINO engines
     (install.py installs it there), then ONNX Runtime; on a GPU WebUI it is the library's ``auto``."""

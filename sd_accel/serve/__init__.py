@@ -4,7 +4,7 @@
 >>> server = serve(model="builtin:tiny-sd15", engine_dir="engines", build_missing=True,
 ...                blocking=False)                                         # doctest: +SKIP
 
-Ray is optional (``pip install 'sd-accel[serve]'``): importing this package does not import it.
+Ray is optional (``pip install -e '.[serve]'`` in the checkout): importing this package does not import it.
 """
 
 from __future__ import annotations

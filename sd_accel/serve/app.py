@@ -2,12 +2,15 @@
 
 Routes (every one behind the bearer token when one is set, the docs and unknown paths included):
 
-- ``POST /sdapi/v1/txt2img``: AUTOMATIC1111-compatible; 422 with the reason for a bad request
-  (before it reaches any queue), 503 with ``Retry-After`` when the replicas are full or one died
+- ``POST /sdapi/v1/txt2img``: AUTOMATIC1111-compatible; 413 for a body over
+  ``max_request_bytes`` (before it is parsed), 422 naming the field of a bad request (before it
+  reaches any queue), 503 with ``Retry-After`` when the replicas are full or one died
   under it, 504 when it ran past ``request_timeout_s``;
 - ``GET /sdapi/v1/samplers``: the sampler names, as the WebUI lists them;
 - ``GET /sd-accel/engines``: the engine cache the replicas read;
-- ``GET /sd-accel/health``: 200 when a replica can take requests, else 503.
+- ``GET /sd-accel/health``: 200 when a replica can take requests, else 503 (also while shutting down).
+
+A shutdown drains the ingress first (``Lifecycle``): no request is left without an answer.
 
 The backend is Ray Serve's model deployment in production (``deployment.py``) and a stand-in in
 tests; this module imports no Ray (FastAPI comes with Ray Serve and with Gradio).
@@ -25,7 +28,7 @@ from fastapi.responses import JSONResponse
 
 from sd_accel.core import InvalidValue, SdAccelError
 from sd_accel.serve.config import ServeConfig
-from sd_accel.serve.txt2img import parse_txt2img, txt2img_answer
+from sd_accel.serve.txt2img import MAX_DEPTH, parse_txt2img, txt2img_answer
 
 
 class Busy(SdAccelError, RuntimeError):
@@ -67,6 +70,50 @@ class BearerAuth:
         await send({"type": "http.response.body", "body": body})
 
 
+class Stopped(SdAccelError, RuntimeError):
+    """The service shut down before this request finished (HTTP 503)."""
+
+
+class Lifecycle:
+    """The ingress's part in a shutdown: ``drain`` refuses new requests (503), waits up to a
+    grace period for the running ones, then answers those still running 503, so no client is
+    left with a dropped connection."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+        self.stop = asyncio.Event()
+
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """Returns how many requests were running, and how many of them the grace period cut short."""
+        self.draining = True
+        running = self.inflight
+        deadline = time.monotonic() + grace_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        cut = self.inflight
+        if cut:
+            self.stop.set()
+            deadline = time.monotonic() + 5.0  # their 503s are written at once; bounded anyway
+            while self.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        return {"running": running, "cut_short": cut}
+
+    async def until_stopped(self, work):
+        """``await work``, unless a drain's grace period ends first: then ``Stopped``."""
+        job = asyncio.ensure_future(work)
+        stopper = asyncio.ensure_future(self.stop.wait())
+        try:
+            done, _ = await asyncio.wait({job, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if job in done:
+                return job.result()
+            raise Stopped("sd-accel serve shut down before this request finished; retry")
+        finally:  # the client went away, or the stop: never leave either behind
+            for task in (job, stopper):
+                if not task.done():
+                    task.cancel()
+
+
 def engine_listing(engine_dir: str | None) -> dict[str, Any]:
     """The engine cache as JSON: every engine with its key fields, size, status and last use."""
     from sd_accel import EngineCache
@@ -101,29 +148,52 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
     # Ray's max_queued_requests alone, because Ray counts a burst as queued before it assigns it
     # and so refuses part of a burst that the replicas have room for.
     capacity = config.num_replicas * config.max_ongoing_requests + config.max_queued_requests
-    inflight = {"n": 0}
+    life = Lifecycle()
+    app.state.lifecycle = life
 
     def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse({"detail": message, "error": _ERRORS.get(status, "Error")}, status, headers=headers)
 
+    limit = config.max_request_bytes
+
+    def too_large(size: str) -> JSONResponse:
+        return error(413, f"the request body is {size} bytes; at most {limit} are taken (max_request_bytes, "
+                          "--max-request-bytes): send a shorter prompt")
+
     @app.post("/sdapi/v1/txt2img")
     async def txt2img(request: Request):
+        # Refused before it is read whole, let alone parsed: a 10 MB prompt costs nothing.
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return too_large(declared)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return too_large(f"more than {limit}")
+            chunks.append(chunk)
         try:
-            body = await request.json()
-        except ValueError:
-            return error(422, "the body must be JSON (Content-Type: application/json)")
+            body = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
+            return error(422, "the body must be a JSON object of txt2img fields, nested at most "
+                              f"{MAX_DEPTH} levels (Content-Type: application/json)")
         try:
             req = parse_txt2img(body)
         except InvalidValue as exc:
             return error(422, str(exc))  # before any queue: a bad request costs no replica time
-        if inflight["n"] >= capacity:
+        if life.draining:
+            return error(503, "sd-accel serve is shutting down; retry later (or on another instance)",
+                         {"Retry-After": retry_after})
+        if life.inflight >= capacity:
             return error(503, f"all {capacity} places (replicas and queue) are taken; retry later",
                          {"Retry-After": retry_after})
-        inflight["n"] += 1
+        life.inflight += 1
         started = time.perf_counter()
         try:
-            result = await asyncio.wait_for(backend.generate(req.params.to_dict()),
-                                            timeout=config.request_timeout_s)
+            result = await life.until_stopped(asyncio.wait_for(backend.generate(req.params.to_dict()),
+                                                               timeout=config.request_timeout_s))
+        except Stopped as exc:
+            return error(503, str(exc), {"Retry-After": retry_after})
         except asyncio.TimeoutError:
             return error(504, f"the request ran past request_timeout_s={config.request_timeout_s:g} s and was "
                               "cancelled; retry, or ask for fewer steps or images")
@@ -137,7 +207,7 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
             lines = [line for line in str(exc).splitlines() if line.strip()]
             return error(500, f"generation failed: {lines[-1] if lines else type(exc).__name__}")
         finally:
-            inflight["n"] -= 1
+            life.inflight -= 1
         answer = txt2img_answer(req, result)
         return JSONResponse(answer, headers={"X-Process-Time": f"{time.perf_counter() - started:.3f}"})
 
@@ -153,6 +223,8 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
 
     @app.get("/sd-accel/health")
     async def health():
+        if life.draining:
+            return JSONResponse({"ok": False, "status": "shutting down"}, 503, headers={"Retry-After": retry_after})
         state = await backend.health()
         return JSONResponse(state, 200 if state.get("ok") else 503,
                             headers=None if state.get("ok") else {"Retry-After": retry_after})
@@ -162,4 +234,4 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
     return app
 
 
-_ERRORS = {401: "Unauthorized", 422: "InvalidValue", 500: "GenerationFailed", 503: "ServiceUnavailable", 504: "Timeout"}
+_ERRORS = {401: "Unauthorized", 413: "PayloadTooLarge", 422: "InvalidValue", 500: "GenerationFailed", 503: "ServiceUnavailable", 504: "Timeout"}

@@ -25,13 +25,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray reserves per replica (default 1)")
     p.add_argument("--num-gpus", type=float, default=None, help="GPUs per replica (1: one replica per GPU)")
     p.add_argument("--max-batch-size", type=int, default=None, help="images per pipeline call at most (default 4)")
-    p.add_argument("--batch-wait-ms", type=float, default=None, help="how long a request waits for company (default 50)")
+    p.add_argument("--batch-wait-ms", type=float, default=None,
+                   help="how long a request waits for company (default: 50 on a GPU or ONNX Runtime engines, else 0)")
     p.add_argument("--max-ongoing-requests", type=int, default=None, help="requests one replica holds (default 8)")
     p.add_argument("--max-queued-requests", type=int, default=None, help="requests waiting for a replica (default 16)")
     p.add_argument("--request-timeout-s", type=float, default=None)
     p.add_argument("--retry-after-s", type=float, default=None)
+    p.add_argument("--shutdown-grace-s", type=float, default=None,
+                   help="on Ctrl-C / SIGTERM, how long running requests may take to finish (default 30)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body taken; larger ones get 413 (default 1048576)")
     p.add_argument("--build-missing", action="store_true", default=None, help="build missing engines once before serving")
-    p.add_argument("--build-preset", default=None, help="the preset --build-missing builds (default: by model family)")
+    p.add_argument("--build-preset", default=None, help="the preset --build-missing builds (default: the family's, batch 1 to --max-batch-size)")
     p.add_argument("--address", default=None, help="Ray cluster address (default $RAY_ADDRESS, else a local Ray)")
 
 
@@ -45,7 +50,7 @@ def config_from_args(args: argparse.Namespace):
     fields = {name: getattr(args, name) for name in (
         "model", "allow_pickle", "engine_dir", "host", "port", "token", "num_replicas", "num_cpus", "num_gpus",
         "max_batch_size", "batch_wait_ms", "max_ongoing_requests", "max_queued_requests", "request_timeout_s",
-        "retry_after_s", "build_missing", "build_preset", "address")}
+        "retry_after_s", "max_request_bytes", "shutdown_grace_s", "build_missing", "build_preset", "address")}
     return make_config(args.config, accel=accel, **fields)
 
 

@@ -48,13 +48,19 @@ class ServeConfig:
     - ``num_replicas``, ``num_cpus``, ``num_gpus``: replicas and what Ray reserves for each
       (one replica per GPU: ``num_gpus=1``).
     - ``max_batch_size``: the most images one pipeline call takes (the engines' batch range caps
-      it further); ``batch_wait_ms``: how long a request may wait for others to share its call.
+      it further); ``batch_wait_ms``: how long a request may wait for others to share its call
+      (None: by where the UNet runs, see ``replica.default_batch_wait_ms``; a call always takes
+      the compatible requests already waiting, whatever the wait).
     - ``max_ongoing_requests``: requests one replica holds (running and waiting for a batch);
       ``max_queued_requests``: requests waiting for a replica slot (for the whole application);
       past ``num_replicas * max_ongoing_requests + max_queued_requests``, 503 with
       ``Retry-After: retry_after_s``. ``request_timeout_s``: past it a request is cancelled (504).
+      ``max_request_bytes`` (1 MiB): a larger body is refused (413) before it is read.
+      ``shutdown_grace_s``: on Ctrl-C or SIGTERM, how long running requests may take to finish
+      (new ones get 503 at once; those still running after it get 503).
     - ``build_missing``: build the engines (``build_preset`` or ``build_profiles``, at
-      ``build_precision``) once before traffic, on a node of the replicas' kind.
+      ``build_precision``; by default the family's preset with batch 1 to ``max_batch_size``)
+      once before traffic, on a node of the replicas' kind.
     - ``address``: the Ray cluster to join (default ``$RAY_ADDRESS``, else a local Ray).
 
     >>> ServeConfig(max_batch_size=0)
@@ -74,7 +80,7 @@ class ServeConfig:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     max_batch_size: int = 4
-    batch_wait_ms: float = 50.0
+    batch_wait_ms: float | None = None
     max_ongoing_requests: int = 8
     max_queued_requests: int = 16
     request_timeout_s: float = 300.0
@@ -86,6 +92,8 @@ class ServeConfig:
     address: str | None = None
     app_name: str = "sd-accel"
     object_store_mb: int = 256
+    max_request_bytes: int = 1 << 20
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if isinstance(self.accel, dict):
@@ -118,10 +126,13 @@ class ServeConfig:
             _int_at_least(name, getattr(self, name), 1)
         _number_at_least("num_cpus", self.num_cpus, 0)
         _number_at_least("num_gpus", self.num_gpus, 0)
-        _number_at_least("batch_wait_ms", self.batch_wait_ms, 0)
+        if self.batch_wait_ms is not None:
+            _number_at_least("batch_wait_ms", self.batch_wait_ms, 0)
         _number_at_least("request_timeout_s", self.request_timeout_s, 0, strict=True)
         _number_at_least("retry_after_s", self.retry_after_s, 0)
         _int_at_least("object_store_mb", self.object_store_mb, 64)
+        _int_at_least("max_request_bytes", self.max_request_bytes, 1024)
+        _number_at_least("shutdown_grace_s", self.shutdown_grace_s, 0)
         if self.max_ongoing_requests < self.max_batch_size:
             _bad("max_ongoing_requests", self.max_ongoing_requests,
                  f"at least max_batch_size ({self.max_batch_size}), or batches can never fill")

@@ -9,9 +9,13 @@ a request gives the client an error, not a hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +30,9 @@ log = logging.getLogger("sd_accel")
 MODEL_DEPLOYMENT = "SdAccelModel"
 INGRESS_DEPLOYMENT = "SdAccelIngress"
 HEALTH_CHECK_PERIOD_S = 5.0
+PROBE_TIMEOUT_S = 2.0  # /sd-accel/health waits this long for a replica's own health check
+# The last --build-missing run in this process: the pid of the Ray worker that built (gone after).
+LAST_BUILD: dict[str, int] = {}
 
 
 def _ray():
@@ -33,7 +40,8 @@ def _ray():
         import ray
         from ray import serve
     except ImportError:
-        raise ImportError("sd-accel serve needs Ray Serve: pip install 'sd-accel[serve]'") from None
+        raise ImportError("sd-accel serve needs Ray Serve: pip install 'ray[serve]>=2.60,<3', or in the sd-accel "
+                          "checkout pip install -e '.[serve]' (sd-accel is not on the package index)") from None
     return ray, serve
 
 
@@ -83,11 +91,36 @@ class RayBackend:
         if deployment is None:
             return {"ok": False, "status": "not deployed", "replicas": {}}
         replicas = {getattr(k, "value", str(k)): v for k, v in deployment.replica_states.items()}
-        return {
+        state = {
             "ok": replicas.get("RUNNING", 0) > 0,
             "status": getattr(deployment.status, "value", str(deployment.status)),
             "replicas": replicas,
         }
+        if state["ok"]:
+            # Serve's status trails a replica's death by a health-check period: ask the replicas.
+            state["answering"] = await self._answering()
+            if not state["answering"]:
+                state.update(ok=False, status="no replica answers its health check (one died; Ray replaces it)")
+        return state
+
+    async def _answering(self) -> int:
+        """How many of the model's replicas answer their health check within PROBE_TIMEOUT_S.
+        Called on the actors directly, not through the deployment's queue, so a busy replica
+        still answers (its event loop is free while a batch runs in its worker thread)."""
+        ray, _ = _ray()
+        prefix = f"SERVE_REPLICA::{self.app_name}#{MODEL_DEPLOYMENT}#"
+        actors = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        answered = 0
+        for entry in actors:
+            if not entry["name"].startswith(prefix):
+                continue
+            try:
+                actor = ray.get_actor(entry["name"], namespace=entry.get("namespace") or "serve")
+                await asyncio.wait_for(actor.check_health.remote(), PROBE_TIMEOUT_S)
+                answered += 1
+            except Exception:  # dead (RayActorError, gone from the registry), unhealthy or stuck
+                continue
+        return answered
 
 
 class Ingress:
@@ -98,7 +131,12 @@ class Ingress:
         self.backend = RayBackend(model, self.config.app_name)
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.config, self.backend)
+        self._asgi = build_app(self.config, self.backend)  # not "app": serve.ingress has that property
+        return self._asgi
+
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """Shutdown's first step (``app.Lifecycle.drain``): called through the deployment's handle."""
+        return await self._asgi.state.lifecycle.drain(grace_s)
 
 
 def build_application(config: ServeConfig):
@@ -133,48 +171,137 @@ def build_application(config: ServeConfig):
     return ingress.bind(data, model.bind(data))
 
 
-def _build_task(data: dict[str, Any]) -> list[str]:
-    """Runs on a Ray worker with a replica's resources: build the engines that are missing."""
+def _build_task(data: dict[str, Any]) -> tuple[list[str], int]:
+    """Runs on a Ray worker with a replica's resources: build the engines that are missing.
+    Returns their names and the worker's pid."""
     from sd_accel import build_engines, load_pipeline
 
     config = ServeConfig.from_dict(data)
     if config.num_cpus:
         os.environ.setdefault("SD_ACCEL_ORT_THREADS", str(max(1, int(config.num_cpus))))
     pipe = load_pipeline(config.model, allow_pickle=config.allow_pickle)
+    profiles = build_profiles_for(config, pipe)
     records = build_engines(
         pipe,
-        preset=config.build_preset,
-        profiles=config.build_profiles,
+        preset=config.build_preset if profiles is None else None,
+        profiles=profiles,
         backend=config.accel.backend,
         precision=config.build_precision,
         engine_dir=config.engine_dir,
         progress=False,
     )
-    return [r.name for r in records]
+    return [r.name for r in records], os.getpid()
+
+
+def build_profiles_for(config: ServeConfig, pipe) -> list[dict[str, Any]] | None:
+    """The profiles ``--build-missing`` builds: ``build_profiles`` when given; with neither
+    those nor ``build_preset``, the family's default preset with the batch range up to
+    ``max_batch_size``, so that the batching the service is configured for can happen (a
+    static batch-1 engine caps every call at one image). None: ``build_preset`` decides."""
+    if config.build_profiles is not None or config.build_preset is not None:
+        return config.build_profiles
+    from sd_accel.profiles import default_preset, preset
+
+    family = getattr(getattr(pipe, "sd_accel_model", None), "family", None) or (
+        "sdxl" if hasattr(pipe, "text_encoder_2") else "sd15")
+    base = preset(default_preset(family)).to_dict()
+    if config.max_batch_size > 1:
+        base["batch"] = [1, 1, config.max_batch_size]
+    return [base]
 
 
 def build_missing(config: ServeConfig) -> list[str]:
     """Build (or reuse) the engines of ``config`` once, on a node of the replicas' kind (same CPU
     and GPU request, so TensorRT engines match the replicas' GPUs), before any traffic."""
     ray, _ = _ray()
-    task = ray.remote(num_cpus=config.num_cpus, num_gpus=config.num_gpus, max_retries=0)(_build_task)
+    # max_calls=1: the worker exits once the build returns. Ray otherwise keeps it in its pool,
+    # holding the pipeline and the build's heap (0.7 GB for the tiny model) for the service's life.
+    task = ray.remote(num_cpus=config.num_cpus, num_gpus=config.num_gpus, max_retries=0, max_calls=1)(_build_task)
     start = time.perf_counter()
-    names = ray.get(task.remote(config.to_dict()))
+    names, build_worker_pid = ray.get(task.remote(config.to_dict()))
+    LAST_BUILD["worker_pid"] = build_worker_pid
     log.warning("sd-accel serve: %d engine(s) ready in %s (%.0f s)", len(names), config.engine_dir or "./engines",
                 time.perf_counter() - start)
     return names
 
 
-def init_ray(config: ServeConfig) -> None:
-    """Join ``config.address`` (or ``$RAY_ADDRESS``), else start a small local Ray."""
+def init_ray(config: ServeConfig) -> bool:
+    """Join ``config.address`` (or ``$RAY_ADDRESS``), else start a small local Ray, its ports on
+    loopback unless ``config.host`` opens the service to the network. True: a local Ray was started."""
     ray, _ = _ray()
     if ray.is_initialized():
-        return
+        return False
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-    else:
-        ray.init(include_dashboard=False, object_store_memory=config.object_store_mb * 2**20)
+        return False
+    if not config.open_to_network:
+        _local_ray_on_loopback()
+    ray.init(include_dashboard=False, object_store_memory=config.object_store_mb * 2**20)
+    if not config.open_to_network:
+        node = ray.util.get_node_ip_address()
+        if not ipaddress.ip_address(node).is_loopback:
+            log.warning("sd-accel serve: the local Ray's ports listen on %s, not only on this machine "
+                        "(this Ray version ignores %s=0); a firewall should close them", node, _RAY_CLUSTER_ENV)
+    return True
+
+
+# Ray's own switch (the default on macOS and Windows): a node that takes 127.0.0.1 as its address,
+# so that the GCS, raylet, object manager and agents listen on loopback only. Its value is read
+# when ray is imported (and by the processes Ray starts), hence both the variable and the constant.
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _local_ray_on_loopback() -> None:
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):  # another Ray layout: the check after ray.init says so
+        pass
+
+
+def resource_shortfall(config: ServeConfig, nodes: list[dict[str, Any]]) -> str | None:
+    """Why the Ray cluster of ``nodes`` (``ray.nodes()``) cannot place ``config``'s replicas, or
+    None when it can. Ray never fails such a request: it waits, saying only in its own log that
+    no node type can fulfil it, so without this check the service would hang silently."""
+    alive = [n.get("Resources") or {} for n in nodes if n.get("Alive", True)]
+
+    def fits(resources: dict[str, Any]) -> int:
+        room = []
+        for need, have in ((config.num_cpus, resources.get("CPU", 0)), (config.num_gpus, resources.get("GPU", 0))):
+            if need:
+                room.append(int(have // need))
+        return min(room) if room else config.num_replicas
+
+    places = sum(fits(r) for r in alive)
+    if places >= config.num_replicas:
+        return None
+    cpus = sum(r.get("CPU", 0) for r in alive)
+    gpus = sum(r.get("GPU", 0) for r in alive)
+    hints = []
+    if config.num_gpus and not gpus:
+        hints.append("this cluster has no GPU: leave --num-gpus out (or 0) to serve on CPUs")
+    hints.append("ask for fewer --num-replicas, --num-cpus or --num-gpus, or join a bigger cluster with --address")
+    return (f"sd-accel serve: {config.num_replicas} replica(s) of {config.num_cpus:g} CPU and {config.num_gpus:g} GPU "
+            f"each do not fit the Ray cluster ({len(alive)} node(s), {cpus:g} CPU and {gpus:g} GPU in all; "
+            f"{places} replica(s) fit), and Ray would wait for them forever: " + "; ".join(hints))
+
+
+def check_resources(config: ServeConfig) -> None:
+    """Refuse (``DeviceError``) a deployment the Ray cluster cannot place, before it is started.
+    A cluster joined with ``--address`` may autoscale: there it is a warning that says what Ray waits for."""
+    ray, _ = _ray()
+    why = resource_shortfall(config, ray.nodes())
+    if why is None:
+        return
+    if config.address or os.environ.get("RAY_ADDRESS"):
+        log.warning("%s (if this cluster autoscales, Ray waits until a node that fits joins)", why)
+        return
+    from sd_accel.core import DeviceError
+
+    raise DeviceError(why)
 
 
 @dataclass
@@ -189,9 +316,15 @@ class Server:
         _, serve = _ray()
         return serve.get_deployment_handle(MODEL_DEPLOYMENT, self.app_name).stats.remote().result()
 
-    def shutdown(self) -> None:
-        """Remove the application (Ray and Serve keep running for others)."""
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Remove the application (Ray and Serve keep running for others), after a drain: new
+        requests get 503, running ones have ``grace_s`` to finish, the rest get 503."""
         _, serve = _ray()
+        try:
+            serve.get_deployment_handle(INGRESS_DEPLOYMENT, self.app_name).drain.remote(grace_s).result(
+                timeout_s=grace_s + 15)
+        except Exception as exc:  # the ingress is gone already: nothing to drain
+            log.warning("sd-accel serve: could not drain the requests (%s); removing the application", exc)
         serve.delete(self.app_name)
 
 
@@ -218,7 +351,8 @@ def serve(config: ServeConfig | None = None, *, blocking: bool = True, **fields:
 
         config = dataclasses.replace(config, engine_dir=str(EngineCache(None).root))
     _, rserve = _ray()
-    init_ray(config)
+    started_ray = init_ray(config)
+    check_resources(config)
     if config.build_missing:
         build_missing(config)
     rserve.start(http_options={"host": config.host, "port": config.port})
@@ -228,11 +362,75 @@ def serve(config: ServeConfig | None = None, *, blocking: bool = True, **fields:
     if blocking:
         print(f"sd-accel serve: {config.model} on {server.url} "
               f"({config.num_replicas} replica(s), batch up to {config.max_batch_size}); Ctrl-C stops it", flush=True)
+        # SIGTERM (what process managers send) takes the same way out as Ctrl-C.
+        previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
+            else None
         try:
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
             pass
         finally:
-            rserve.shutdown()
+            try:
+                shutdown(config, started_ray)
+            finally:
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
     return server
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def shutdown(config: ServeConfig, stop_ray: bool) -> None:
+    """Stop ``config``'s service without losing an answer: new requests get 503, running ones
+    have ``shutdown_grace_s`` to finish and the rest get 503, then the application goes; with
+    ``stop_ray`` (a local Ray this process started) Ray goes too, with every process it left
+    (its agents ignore SIGTERM). A second Ctrl-C skips the wait."""
+    ray, rserve = _ray()
+    grace = config.shutdown_grace_s
+    print(f"sd-accel serve: stopping: new requests get 503; running ones have {grace:g} s to finish", flush=True)
+    try:
+        handle = rserve.get_deployment_handle(INGRESS_DEPLOYMENT, config.app_name)
+        done = handle.drain.remote(grace).result(timeout_s=grace + 15)
+        print(f"sd-accel serve: {done['running'] - done['cut_short']} of {done['running']} running request(s) "
+              f"finished, {done['cut_short']} answered 503", flush=True)
+    except KeyboardInterrupt:
+        print("sd-accel serve: interrupted again: stopping without waiting", flush=True)
+    except Exception as exc:  # no ingress (it never started), Ray already going: stop anyway
+        log.warning("sd-accel serve: could not drain the requests (%s); stopping", exc)
+    leftovers = _descendants() if stop_ray else []
+    try:
+        rserve.shutdown()
+    finally:
+        if stop_ray:
+            ray.shutdown()
+            _end(leftovers)
+
+
+def _descendants() -> list:
+    """This process's descendants (psutil handles, which know a reused pid from the original)."""
+    try:
+        import psutil
+
+        return psutil.Process().children(recursive=True)
+    except Exception:  # no psutil (Ray brings it): Ray's own shutdown is all there is
+        return []
+
+
+def _end(processes: list, wait_s: float = 5.0) -> None:
+    """End the processes of a local Ray still alive after ``ray.shutdown()``: SIGTERM, then SIGKILL."""
+    if not processes:
+        return
+    import psutil
+
+    alive = [p for p in processes if p.is_running()]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=wait_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=wait_s)

@@ -22,6 +22,68 @@ from sd_accel.serve.config import ServeConfig
 
 log = logging.getLogger("sd_accel")
 
+# A prompt past this many characters is tokenized only up to its last whitespace before it: enough
+# for CLIP's 75 tokens (a token is rarely more than 20 characters), and a 1 MB prompt then costs
+# milliseconds, not the seconds diffusers spends tokenizing all of it twice.
+PROMPT_SCAN_CHARS = 4096
+_DIFFUSERS_TRUNCATION = "The following part of your input was truncated because CLIP"
+
+
+def clip_prompt(tokenizer, text: str | None) -> tuple[str | None, bool]:
+    """``(text for the pipeline, whether CLIP drops part of it)``.
+
+    The text given back is cut at a whitespace (a word boundary for CLIP's tokenizer), only when
+    what is kept still holds more tokens than CLIP reads, so the pipeline sees the same token ids
+    as for the whole prompt.
+    """
+    if tokenizer is None or not text:
+        return text, False
+    keep = getattr(tokenizer, "model_max_length", 77) - 2  # less the start and end tokens
+
+    def count(s: str) -> int:
+        return len(tokenizer(s, add_special_tokens=False, truncation=False).input_ids)
+
+    if len(text) > PROMPT_SCAN_CHARS:
+        scan = text[:PROMPT_SCAN_CHARS]
+        cut = max(scan.rfind(c) for c in " \t\n\r")
+        if cut > 0 and count(scan[:cut]) > keep:
+            return scan[:cut], True
+    return text, count(text) > keep
+
+
+# Measured (scripts/BENCHMARKS.md, "Serving"): waiting for company raised images/min 1.4-1.8x on
+# ONNX Runtime engines of the tiny model at 128 px, where per-call overhead dominates; with
+# OpenVINO engines on 2 CPU cores (issue 27) batching and the wait gained nothing, since each call
+# is compute-bound there. GPUs run a batch in about the time of one image.
+BATCH_WAIT_MS = {"gpu": 50.0, "onnxruntime": 50.0, "cpu": 0.0}
+
+
+def default_batch_wait_ms(pipe) -> tuple[float, str]:
+    """``(batch_wait_ms, why)`` when the config leaves it to the replica: a wait only where
+    batching was measured to help (a GPU, ONNX Runtime engines); elsewhere (OpenVINO engines,
+    PyTorch on CPU) none: concurrent requests still share a call when they are queued together."""
+    device = str(getattr(pipe, "device", "cpu"))
+    if device.startswith("cuda"):
+        return BATCH_WAIT_MS["gpu"], "the UNet runs on a GPU"
+    engines = getattr(getattr(pipe, "unet", None), "engines", None)
+    backends: set[str] = set()
+    for component in (engines or {}).values():
+        for handle in getattr(component, "handles", []):
+            record = getattr(handle, "record", None)
+            if record is not None:
+                backends.add(record.key.backend)
+    if backends == {"onnxruntime"}:
+        return BATCH_WAIT_MS["onnxruntime"], "ONNX Runtime engines, where batching was measured to help"
+    what = f"{'/'.join(sorted(backends))} engines" if backends else "PyTorch"
+    return BATCH_WAIT_MS["cpu"], f"{what} on the CPU, where batching was not measured to help"
+
+
+class _DropTruncationWarning(logging.Filter):
+    """diffusers warns on every call that a long prompt was truncated; the replica says it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_DIFFUSERS_TRUNCATION)
+
 
 def model_label(model: str) -> str:
     """The model as named in infotexts: a file's stem, never the server's folders."""
@@ -63,25 +125,55 @@ class ModelServer:
             pipe = accelerate(pipe, self.config.accel)
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
+        self.tokenizer = getattr(pipe, "tokenizer", None) or getattr(pipe, "tokenizer_2", None)
+        self._said_truncation = False
+        for name in ("diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
+                     "diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl"):
+            logging.getLogger(name).addFilter(_DropTruncationWarning())
         self.model = model_label(self.config.model)
         self.default_sampler = getattr(getattr(pipe, "sd_accel", None), "sampler", None)
         self._base_scheduler = pipe.scheduler
+        from sd_accel.samplers import webui_name
+
+        # What the model's own scheduler is called in the WebUI (PLMS for SD 1.5's PNDM config).
+        self.model_sampler = webui_name(pipe.scheduler) or type(pipe.scheduler).__name__
         self._schedulers: dict[str, Any] = {}
         self._limits: dict[BatchKey, int] = {}
         self._lock = threading.Lock()
         self.unet_batches: collections.Counter[int] = collections.Counter()
         self.requests = 0
         pipe.unet.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
+        wait_ms = self.config.batch_wait_ms
+        if wait_ms is None:
+            wait_ms, why = default_batch_wait_ms(pipe)
+            log.info("sd-accel serve: batch_wait_ms %g (%s; --batch-wait-ms sets it)", wait_ms, why)
+        self.batch_wait_ms = wait_ms
         self.batcher = Batcher(
             run=self._run,
             limit=self._limit,
-            wait_s=self.config.batch_wait_ms / 1000.0,
+            wait_s=wait_ms / 1000.0,
             # Ray bounds the requests a replica holds (max_ongoing_requests); this bounds images,
             # which is what costs memory: at most that many requests of the largest batch.
             max_pending_images=self.config.max_ongoing_requests * self.config.max_batch_size,
             retry_after_s=self.config.retry_after_s,
         )
+        note = self.batch_cap_note()
+        if note:
+            log.warning("sd-accel serve: %s", note)
         log.info("sd-accel serve: replica %s ready (%s)", self.replica_id, self.model)
+
+    def batch_cap_note(self) -> str | None:
+        """Said at start-up when the engines at the model's default size take fewer images per call
+        than ``max_batch_size``: batching is capped there, silently otherwise."""
+        width, height = self.default_size()
+        key = BatchKey(width=width, height=height, steps=20, cfg=7.0, sampler=None)
+        cap = engine_batch_limit(self.pipe, key)
+        if cap is None or cap >= self.config.max_batch_size:
+            return None
+        return (f"batching is capped at {cap} image(s) per call at {width}x{height} by the engines' batch range "
+                f"(max_batch_size is {self.config.max_batch_size}): build engines whose batch reaches "
+                f"{self.config.max_batch_size} (build_profiles with batch [1, 1, {self.config.max_batch_size}], "
+                "or --build-missing without --build-preset), or lower --max-batch-size")
 
     # ------------------------------------------------------------------ requests
 
@@ -103,22 +195,40 @@ class ModelServer:
             sampler = resolve(sampler).name  # one spelling, so "euler a" batches with "Euler a"
         seed = params.resolved_seed()
         key = BatchKey(width=width, height=height, steps=params.steps, cfg=float(params.cfg), sampler=sampler)
-        return Job(key, params.prompt, params.negative_prompt, [seed + i for i in range(params.batch)])
+        prompt, _ = clip_prompt(self.tokenizer, params.prompt)
+        negative, _ = clip_prompt(self.tokenizer, params.negative_prompt)
+        return Job(key, prompt, negative, [seed + i for i in range(params.batch)])
+
+    def prompt_warnings(self, params: GenerationParams) -> list[str]:
+        """What the request is told about its prompts: the part CLIP does not read."""
+        warnings = []
+        for field_name, text in (("prompt", params.prompt), ("negative_prompt", params.negative_prompt)):
+            if clip_prompt(self.tokenizer, text)[1]:
+                keep = getattr(self.tokenizer, "model_max_length", 77) - 2
+                warnings.append(
+                    f"{field_name} is longer than the {keep} tokens CLIP reads; the rest was ignored "
+                    "(the WebUI encodes long prompts in 75-token chunks; sd-accel serve does not yet)"
+                )
+        if warnings and not self._said_truncation:
+            self._said_truncation = True  # once per replica: the answers carry it every time
+            log.warning("sd-accel serve: %s (said once; each answer's info.sd_accel.warnings says it)", warnings[0])
+        return warnings
 
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """``request``: ``GenerationParams`` fields. Returns PNG bytes (with infotexts), seeds, the
         size and sampler used, and the size of each call the images were made in."""
         params = GenerationParams(**request)  # the same validation the HTTP route ran
         job = self.job_for(params)
+        warnings = self.prompt_warnings(params)
         with self._lock:
             self.requests += 1
         start = time.perf_counter()
         await self.batcher.submit(job)
         seconds = time.perf_counter() - start
         key = job.key
-        sampler_label = key.sampler or type(self._base_scheduler).__name__
+        sampler_label = key.sampler or self.model_sampler
         infotexts = [
-            parameters_text(job.prompt, job.negative_prompt, key.steps, sampler_label, key.cfg, seed,
+            parameters_text(params.prompt, params.negative_prompt, key.steps, sampler_label, key.cfg, seed,
                             key.width, key.height, self.model)
             for seed in job.seeds
         ]
@@ -136,6 +246,7 @@ class ModelServer:
             "call_sizes": job.call_sizes,
             "replica": self.replica_id,
             "seconds": round(seconds, 4),
+            "warnings": warnings,
         }
 
     # ------------------------------------------------------------------ the worker

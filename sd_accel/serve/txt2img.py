@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,58 @@ QUIET = {
     "distilled_cfg_scale", "script_name", "script_args", "alwayson_scripts", "styles", "override_settings",
 }
 
+# JSON types of the fields read here, checked before any value is looked at, so that a 5 where a
+# name belongs is a 422 naming the field, not a TypeError deep in a validator (a 500).
+_INT = ("an integer", (int,))
+_NUMBER = ("a number", (int, float))
+_TEXT = ("a string", (str,))
+_NAME = ("a string or null", (str, type(None)))
+_SIDE = ("an integer, or null for the model's size", (int, type(None)))
+TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
+    "prompt": _TEXT, "negative_prompt": _NAME, "steps": _INT, "cfg_scale": _NUMBER, "width": _SIDE,
+    "height": _SIDE, "seed": _INT, "batch_size": _INT, "n_iter": _INT, "sampler_name": _NAME,
+    "sampler_index": _NAME, "scheduler": _NAME, "send_images": ("true or false", (bool,)),
+}
+# Deeper than any WebUI body (alwayson_scripts args nest 4-5 levels); bounds the work of echoing
+# and encoding what a client sent.
+MAX_DEPTH = 32
+
+
+def check_json(body: Any, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse (``InvalidValue`` naming the field) nesting deeper than ``max_depth`` and numbers JSON
+    cannot carry back (NaN, Infinity: Python's reader takes them, the answer's writer refuses them).
+
+    Walks without recursion, so no body can raise ``RecursionError`` here.
+    """
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidValue(f"txt2img field {path or '(body)'}={value} is not valid; allowed: a finite number")
+        if isinstance(value, dict | list):
+            if depth >= max_depth:
+                raise InvalidValue(f"txt2img field {path or '(body)'} nests deeper than {max_depth} levels; "
+                                   "no WebUI field needs that")
+            if isinstance(value, dict):
+                stack.extend((v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in value.items())
+            else:
+                stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def _check_types(body: dict[str, Any]) -> None:
+    for name, (allowed, types) in TYPES.items():
+        if name not in body:
+            continue
+        value = body[name]
+        # JSON true is a Python int: only send_images takes it.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise InvalidValue(f"txt2img field {name}={_short(value)} is not valid; allowed: {allowed}")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 @dataclass(frozen=True)
 class Txt2ImgRequest:
@@ -84,10 +137,12 @@ def parse_txt2img(body: Any) -> Txt2ImgRequest:
     """
     if not isinstance(body, dict):
         raise InvalidValue(f"the txt2img body must be a JSON object, got {type(body).__name__}")
+    check_json(body)
+    _check_types(body)
     for name, harmless in REFUSED_UNLESS.items():
         if name in body and body[name] not in harmless:
             raise InvalidValue(
-                f"txt2img field {name}={body[name]!r} is not supported by sd-accel serve; leave it out "
+                f"txt2img field {name}={_short(body[name])} is not supported by sd-accel serve; leave it out "
                 "or set it to " + " / ".join(json.dumps(v) for v in harmless)
             )
     kwargs = {dst: body.get(src, DEFAULTS.get(src)) for src, dst in FIELDS.items()
@@ -157,6 +212,7 @@ def txt2img_answer(request: Txt2ImgRequest, result: dict[str, Any]) -> dict[str,
             "call_sizes": result.get("call_sizes"),
             "seconds": result.get("seconds"),
             "ignored_fields": list(request.ignored),
+            "warnings": result.get("warnings", []),
         },
     }
     images = [base64.b64encode(png).decode("ascii") for png in result["images"]] if request.send_images else []

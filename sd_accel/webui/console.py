@@ -26,12 +26,27 @@ def say(text: str) -> None:
     message = str(text)
     if not message.startswith(PREFIX.strip()):
         message = PREFIX + message  # the first line only: a traceback below stays as it is
+    if _bar_below():
+        # tqdm.write clears a bar below the cursor (A1111's "Total progress" sits at position 1)
+        # and moves back up with a cursor-up code, then writes: in a console log the line would
+        # start with that code, glued to the bar's line. End that line first.
+        message = "\n" + message
     try:
         from tqdm import tqdm
 
         tqdm.write(message, file=sys.stdout)
     except Exception:  # no tqdm (unusual in a WebUI): a plain print still starts on a new line
         print("\n" + message if _bar_open() else message, flush=True)
+
+
+def _bar_below() -> bool:
+    """Whether an open tqdm bar sits below the cursor line (position > 0)."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    try:
+        bars = list(getattr(tqdm, "_instances", None) or ())
+    except Exception:  # tqdm's WeakSet changing under another thread
+        return False
+    return any(abs(getattr(b, "pos", 0) or 0) > 0 and not getattr(b, "disable", False) for b in bars)
 
 
 def _bar_open() -> bool:

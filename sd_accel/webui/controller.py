@@ -166,6 +166,15 @@ class Controller:
             if key not in self._engines:
                 found = engines_for(cache, backend, wid, component, fallback=self.fallback() if unet else True,
                                     on_refused=lambda why: self.say_once(f"not loading engine {why}"))
+                # backend "auto": the engines of another backend that runs here beat PyTorch (a
+                # build with "backend": "onnxruntime" while the setting says auto).
+                for other in self.other_backends(backend) if not found.handles else ():
+                    found = engines_for(cache, other, wid, component, fallback=self.fallback() if unet else True,
+                                        on_refused=lambda why: self.say_once(f"not loading engine {why}"))
+                    if found.handles:
+                        self.say_once(f"{wid} {component}: using its {other.name} engines (backend auto; "
+                                      f"{backend.name}, its first choice here, has none for these weights)")
+                        break
                 if not found.handles:
                     self._engines[key] = None
                 else:
@@ -173,7 +182,47 @@ class Controller:
             engines = self._engines[key]
             if engines is not None and unet:
                 engines.set_fallback(self.fallback())  # the settings page may have changed it
+            if engines is None and unet:
+                why = self.other_backend_note(wid, component)
+                if why:
+                    self.note(why)  # in the job's report, every job it happens in
             return engines
+
+    def other_backends(self, first) -> list:
+        """With the backend setting at auto: the other backends that run here, in auto's order
+        (their engines serve when ``first`` has none); a pinned backend: none."""
+        if self.backend_name() != "auto":
+            return []
+        from sd_accel.backends.registry import auto_order
+
+        cache = self.cache()
+        out = []
+        for name in auto_order("cpu" if host.runs_on_cpu() else None):
+            if name == first.name:
+                continue
+            key = (name, str(cache.root))
+            with self._lock:
+                if key not in self._backend:
+                    try:
+                        self._backend[key] = webui_backend(name, cache_root=cache.root)
+                    except Exception:  # cannot run here: remembered as such
+                        self._backend[key] = None
+                if self._backend[key] is not None:
+                    out.append(self._backend[key])
+        return out
+
+    def other_backend_note(self, wid: str, component: str = COMPONENT) -> str | None:
+        """When the backend is pinned and ``wid``'s engines are all of other backends: what to do."""
+        if self.backend_name() == "auto":
+            return None
+        pinned = self.backend_name()
+        others = sorted({r.key.backend for r in self.cache().find(component=component)
+                         if r.key.model == wid and r.key.backend != pinned})
+        if not others:
+            return None
+        return (f"the engines of these weights are {' and '.join(others)} engines, but the backend setting is "
+                f"{pinned}: they are not used. Set the backend (Settings > sd-accel) to auto or {others[0]}, "
+                f"or build for {pinned}")
 
     def lora_engines(self, ckpt: str, loras, unet, merge=None) -> tuple[Any, str | None]:
         """The checkpoint's UNet engines refitted to carry ``loras`` (:mod:`sd_accel.webui.lora`),
@@ -244,15 +293,16 @@ class Controller:
             return []
         from sd_accel.runtime import refusal
 
-        info = backend.info()
         out: dict[str, dict[str, str]] = {}
-        for record in self.cache().find(component=COMPONENT, backend=backend.name, arch=info.arch):
-            if refusal(record, info) is not None:
-                continue
-            meta = (record.extra or {}).get("webui") or {}
-            ckpt = meta.get("hash") or record.key.model.split("+")[0].removeprefix("ckpt-")
-            out.setdefault(ckpt, {"hash": ckpt, "model_name": meta.get("model_name") or ckpt,
-                                  "title": meta.get("checkpoint") or ckpt})
+        for runner in (backend, *self.other_backends(backend)):
+            info = runner.info()
+            for record in self.cache().find(component=COMPONENT, backend=runner.name, arch=info.arch):
+                if refusal(record, info) is not None:
+                    continue
+                meta = (record.extra or {}).get("webui") or {}
+                ckpt = meta.get("hash") or record.key.model.split("+")[0].removeprefix("ckpt-")
+                out.setdefault(ckpt, {"hash": ckpt, "model_name": meta.get("model_name") or ckpt,
+                                      "title": meta.get("checkpoint") or ckpt})
         return sorted(out.values(), key=lambda c: c["model_name"])
 
     def records_for_checkpoint(self, ckpt: str, component: str | None = COMPONENT) -> list:
@@ -312,6 +362,15 @@ class Controller:
         from sd_accel.webui.console import say
         from sd_accel.webui.stand_ins import LABELS
 
+        try:
+            # Pinned to a backend the checkpoint has no engines of, the SD-UNet list offers none
+            # and no call comes through us: the report is where the user learns why.
+            wid = self.wanted_weights()
+            why = self.other_backend_note(wid) if wid else None
+        except Exception:  # no checkpoint info, an unreadable cache: nothing to add
+            why = None
+        if why:
+            self.note(why)
         lines = []
         for component in (COMPONENT, *[c for c in LABELS if c != COMPONENT]):
             stats = [e.stats for e in self.loaded(component)]

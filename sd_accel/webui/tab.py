@@ -241,7 +241,21 @@ def _model_lines() -> list[str]:
         from sd_accel.webui.stand_ins import LABELS
 
         line += "; " + ", ".join(f"{n} {LABELS.get(c, c)}" for c, n in sorted(others.items()))
-    return [line + "."]
+    lines = [line + "."]
+    why = ctl.other_backend_note(source.weights_id)
+    if why:
+        lines.append(f"**Engines not used**: {why}.")
+    elif unet and ctl.backend_name() == "auto":
+        backends = {r.key.backend for r in unet}
+        try:
+            first = ctl.backend()
+            runs = [b.name for b in ctl.other_backends(first) if b.name in backends]
+        except Exception:  # the tab's backend line says why
+            first, runs = None, []
+        if first is not None and first.name not in backends and runs:
+            lines.append(f"Backend auto: these weights have no {first.name} engines; jobs run on their "
+                         f"{runs[0]} engines.")
+    return lines
 
 
 def _flag_lines() -> list[str]:

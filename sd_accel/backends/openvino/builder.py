@@ -165,10 +165,14 @@ class OpenVinoBackend:
                              progress: Progress, calibration: CalibrationSet | None, int8_scope: str = "safe"):
         """Convert, reshape, (quantize,) save ``engine.xml`` / ``engine.bin``, compile."""
         model = ov.convert_model(str(onnx_path))
-        names = {p.get_any_name() for p in model.inputs}
+        # An input can carry several names: where ``x`` feeds a Cast (a full-precision WebUI UNet),
+        # the converter folds it and the Cast's output name joins ``x``, and get_any_name() may
+        # give either. Match on all of them, as the runner does.
+        names = {n for p in model.inputs for n in p.get_names()}
         missing = set(shapes) - names
         if missing:
-            raise EngineError(f"{onnx_path.name} has no inputs {sorted(missing)}; it has {sorted(names)}")
+            have = [sorted(p.get_names()) for p in model.inputs]
+            raise EngineError(f"{onnx_path.name} has no inputs {sorted(missing)}; its inputs are named {have}")
         model.reshape(_partial_shapes(shapes))
         if precision == "int8":
             from sd_accel.backends.openvino.quantize import quantize_openvino
