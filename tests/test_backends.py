@@ -84,7 +84,7 @@ def test_a_precision_a_backend_cannot_build_says_what_it_needs(monkeypatch, tiny
 
 def test_a_new_backend_is_one_module_and_one_entry(monkeypatch, tmp_path, tiny_sd15):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    extra = registry.BackendEntry("ortcopy", "fake_backend", "cpu", "CPUs", "it is in the tests")
+    extra = registry.BackendEntry("ortcopy", "support.fake_backend", "cpu", "CPUs", "it is in the tests")
     monkeypatch.setattr(registry, "TABLE", (*registry.TABLE, extra))
 
     rows = {row["name"]: row for row in registry.describe()}

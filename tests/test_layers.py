@@ -1,9 +1,10 @@
-"""The layering of shared/DESIGN.md, checked on the source: no module imports a layer above its
+"""The layering of README's Layout section, checked on the source: no module imports a layer above its
 own (lazy imports inside functions included), and no two modules import each other."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sd_accel"
@@ -61,3 +62,19 @@ def test_no_two_modules_import_each_other():
     pairs = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps
                     if a in graph.get(b, ()) and not b.startswith(a + ".") and not a.startswith(b + ".")})
     assert not pairs, pairs
+
+
+def _readme_layout() -> str:
+    text = (PACKAGE.parent / "README.md").read_text()
+    return text.split("## Layout", 1)[1].split("```", 2)[1]
+
+
+def test_readmes_layout_names_every_layer_and_only_what_exists():
+    listed = set(re.findall(r"sd_accel/([A-Za-z_]+)", _readme_layout()))
+    on_disk = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | {
+        p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    named = listed | set(re.findall(r"\b([a-z_]+)\.py\b", _readme_layout()))  # "(cli_engines.py: ...)"
+    assert not on_disk - named, f"add to README's Layout: {sorted(on_disk - named)}"
+    assert not listed - on_disk, f"README's Layout names what is gone: {sorted(listed - on_disk)}"
+    for path in re.findall(r"^((?:tests|scripts|extension)/[A-Za-z_/]*)", _readme_layout(), re.M):
+        assert (PACKAGE.parent / path).exists(), path

@@ -1,8 +1,8 @@
 """Build an OpenVINO engine: ONNX -> OpenVINO model with the profile's shapes -> compiled for
 this CPU at the requested inference precision.
 
-Static profiles compile for one fixed shape (worth up to 3.5x over dynamic ones on CPU,
-DESIGN.md); dynamic profiles compile with bounded dimensions. ``bf16`` sets OpenVINO's
+Static profiles compile for one fixed shape (worth up to 3.5x over dynamic ones on
+CPU); dynamic profiles compile with bounded dimensions. ``bf16`` sets OpenVINO's
 ``INFERENCE_PRECISION_HINT``: weights and activations run in bf16 on CPUs with AVX512-BF16 or
 AMX, with fp32 accumulation. The compiled model is tied to the CPU class and the OpenVINO version,
 which are both part of the engine key.
