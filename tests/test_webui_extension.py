@@ -484,7 +484,7 @@ def test_webui_path_does_not_import_diffusers(tmp_path):
         "        if name.split('.')[0] == 'diffusers':\n"
         "            raise ImportError('diffusers is blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import sd_accel.components.ldm_unet, sd_accel.webui.export, sd_accel.webui.runner\n"
+        "import sd_accel.components.ldm_unet, sd_accel.webui.export, sd_accel.webui.tracing, sd_accel.webui.runner\n"
         "import sd_accel.webui.controller, sd_accel.webui.tab, sd_accel.webui.api\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
