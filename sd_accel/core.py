@@ -76,12 +76,13 @@ class CalibrationSet:
     def __len__(self) -> int:
         return len(self.feeds)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, tmp: Path) -> None:
+        """Write to ``tmp`` (a name ending in ``.npz``), then rename it to ``path``: a reader never
+        sees half a file. The caller names both (sd_accel.paths owns the cache's names)."""
         import numpy as np
 
         arrays: dict[str, Any] = {f"{i}/{k}": v for i, feed in enumerate(self.feeds) for k, v in feed.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, **arrays)
         tmp.replace(path)
 

@@ -123,8 +123,7 @@ FACE_MODULES = {
           "sd_accel.samplers", "sd_accel.units", "sd_accel.backends.registry", "sd_accel.build",
           "sd_accel.cache.intermediates"},
     "webui": {"sd_accel.components.ldm_", "sd_accel.runtime", "sd_accel.runtime.modules", "sd_accel.refit",
-              "sd_accel.onnx.weights", "sd_accel.onnx.fingerprint", "sd_accel.onnx.export",
-              "sd_accel.backends.tensorrt.builder"},
+              "sd_accel.onnx.weights", "sd_accel.onnx.fingerprint", "sd_accel.onnx.export"},
     "bench": {"sd_accel.device", "sd_accel.paths", "sd_accel.models.", "sd_accel.runtime.swap"},
 }
 
@@ -155,3 +154,12 @@ def test_readmes_layout_names_every_layer_and_only_what_exists():
     assert not listed - on_disk, f"README's Layout names what is gone: {sorted(listed - on_disk)}"
     for path in re.findall(r"^((?:tests|scripts|extension)/[A-Za-z_/]*)", _readme_layout(), re.M):
         assert (PACKAGE.parent / path).exists(), path
+
+
+def test_one_builder_runs_every_faces_jobs():
+    """Faces hand a list of EngineJob to build.run_jobs; nothing else loops over jobs calling the
+    per-engine build, numbers progress ticks or reaches for the builder's private parts."""
+    private = re.compile(r"\b(_build_one|build_one|make_tick|_reporter)\b")
+    outside = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+                     if p.name != "build.py" and private.search(p.read_text()))
+    assert not outside, outside

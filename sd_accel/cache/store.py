@@ -48,9 +48,9 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..core import SPEC_VERSION, EngineError, InvalidValue, ShapeRanges
-from ..paths import default_engine_dir
+from ..paths import default_engine_dir, export_dir, export_lock
 from ..units import format_size
-from .intermediates import ONNX_DIR, Intermediate, parse_name, paths, scan, serves
+from .intermediates import KINDS, ONNX_DIR, Intermediate, parse_name, paths, scan, serves
 from .key import EngineKey
 from .record import (
     META_FILE,
@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 INDEX_SCHEMA = 1  # bump when the index or meta.json layout changes meaning
 INDEX_FILE = "index.json"
 LOCK_DIR = ".locks"
-RESERVED = frozenset({"onnx", "calibration"})  # intermediates' folders: never engines (see intermediates.py)
+RESERVED = frozenset(KINDS)  # intermediates' folders: never engines (see intermediates.py)
 
 DEFAULT_BUILD_WAIT_S = 3600.0  # a TensorRT build of an SDXL UNet can take tens of minutes
 DEFAULT_DELETE_WAIT_S = 10.0
@@ -348,7 +348,7 @@ class EngineCache:
     ) -> builtins.list[Intermediate]:
         """Remove the intermediates ``select`` picks (or ``act`` on them instead: slimming an export
         leaves what other caches sharing it need), each under its export's lock and checked
-        again there. The order matters against a build in another process: ``build_one`` holds
+        again there. The order matters against a build in another process: ``build.run_jobs`` holds
         its engine lock (and has its temp folder) before it asks for the export, and asking
         takes the export's lock; so with that lock held here, either the build shows in
         :meth:`_components_building` or it waits for the removal and exports again."""
@@ -385,7 +385,7 @@ class EngineCache:
             return
         spec = item.spec_version if item.spec_version is not None else SPEC_VERSION
         (self.root / ONNX_DIR).mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(self.root / ONNX_DIR / f"{item.component}.{item.weights}.s{spec}") + ".lock")
+        lock = FileLock(export_lock(export_dir(self.root, item.component, item.weights, spec)))
         try:
             lock.acquire(timeout=0)
         except Timeout:

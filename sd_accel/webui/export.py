@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sd_accel.build import BuildEvent, make_tick
+from sd_accel.build import BuildEvent, EngineJob
 from sd_accel.components.ldm_unet import LdmUNetSpec
 from sd_accel.core import InvalidValue
 from sd_accel.profiles import Profile
@@ -27,6 +27,9 @@ from sd_accel.webui.identity import LoraSet, checkpoint_hash, describe, forge_lo
 from sd_accel.webui.tracing import module_context, no_sd_unet, plain_webui_attention
 
 log = logging.getLogger("sd_accel")
+
+# Precisions the WebUI does not build: static int8 calibrates on a diffusers pipeline's prompt runs.
+NOT_IN_WEBUI = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,10 @@ def _latent_multiple(artifact_folder, spec: LdmUNetSpec) -> int:
 
 
 @dataclass
-class BuildJob:
-    """One component to build: its spec, the weights id its engines are keyed by, the module."""
+class LoadedComponent:
+    """One of the loaded model's components to build: its spec, the weights id its engines are
+    keyed by, the module (whose patches are undone for the export), and the facts its records
+    keep. Each becomes one :class:`~sd_accel.build.EngineJob` per profile."""
 
     component: str  # user-facing: unet, vae_decoder, vae_encoder, clip
     spec: object
@@ -104,7 +109,7 @@ class BuildJob:
     facts: dict
 
 
-def build_jobs(source: ExportSource, components: tuple[str, ...], model, ctl) -> tuple[list[BuildJob], list[str]]:
+def loaded_components(source: ExportSource, components: tuple[str, ...], model, ctl) -> tuple[list[LoadedComponent], list[str]]:
     """(what to build, what cannot be built here and why) for the user-facing ``components``."""
     from sd_accel.components.ldm_clip import LdmClipSpec
     from sd_accel.components.ldm_vae import LdmVaeDecoderSpec, LdmVaeEncoderSpec
@@ -115,7 +120,7 @@ def build_jobs(source: ExportSource, components: tuple[str, ...], model, ctl) ->
     for name in components:
         component = COMPONENTS[name]
         if name == "unet":
-            jobs.append(BuildJob(name, LdmUNetSpec(source.unet), source.weights_id, source.unet,
+            jobs.append(LoadedComponent(name, LdmUNetSpec(source.unet), source.weights_id, source.unet,
                             {"loras": [list(e) for e in source.loras]}))
             continue
         module = found.get(component)
@@ -131,11 +136,11 @@ def build_jobs(source: ExportSource, components: tuple[str, ...], model, ctl) ->
                 wid = ctl.weights_for(component, model, for_call=False)
             finally:
                 ctl.job.te_loras = saved
-            jobs.append(BuildJob(name, LdmClipSpec(module), wid, module,
+            jobs.append(LoadedComponent(name, LdmClipSpec(module), wid, module,
                             {"loras": [list(e) for e in te_loras], "lora_text": describe(te_loras)}))
         else:
             spec = (LdmVaeDecoderSpec if name == "vae_decoder" else LdmVaeEncoderSpec)(module)
-            jobs.append(BuildJob(name, spec, ctl.weights_for(component, model, for_call=False), module,
+            jobs.append(LoadedComponent(name, spec, ctl.weights_for(component, model, for_call=False), module,
                             {"vae": host.loaded_vae_hash()}))
     return jobs, skipped
 
@@ -160,51 +165,43 @@ def build_loaded(
     is set, :class:`EngineError` when a build or its validation fails. An ONNX export that no
     engine ended up using (a failed build) is removed again.
     """
+    from sd_accel.backends.registry import check_precision
+    from sd_accel.build import run_jobs
     from sd_accel.webui.controller import controller, webui_backend
 
     be = webui_backend(backend_name, cache_root=cache.root)
     info = be.info()
     precision = default_build_precision(be) if precision in (None, "", "auto") else precision
-    if precision == "int8":
+    if precision in NOT_IN_WEBUI:
         raise InvalidValue("precision int8 (static) calibrates on a diffusers pipeline's prompt runs, which the "
                            "WebUI's models are not; build fp32/fp16/bf16 here, or int8-dynamic on ONNX Runtime")
-    if precision not in be.precisions():
-        raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
-    report = progress or (lambda ev: None)
-    records = []
+    check_precision(be, precision)  # here too, not only in the builder: refused before the model lock
     with host.queue_lock():
         model = model if model is not None else host.sd_model()
         source = export_source(model)
-        jobs, cannot = build_jobs(source, tuple(components), model, controller())
+        components_to_build, cannot = loaded_components(source, tuple(components), model, controller())
         if skipped is not None:
             skipped.extend(cannot)
-        total = len(jobs) * len(profiles)
-        log.info("building %d engine(s) (%s) for %s on %s %s, %s", total, ", ".join(j.component for j in jobs),
-                 source.describe(), be.name, info.version, precision)
+        jobs = [engine_job(job, source, profile, precision) for job in components_to_build for profile in profiles]
+        modules = {id(job.spec): job.module for job in components_to_build}
+        log.info("building %d engine(s) (%s) for %s on %s %s, %s", len(jobs),
+                 ", ".join(j.component for j in components_to_build), source.describe(), be.name, info.version,
+                 precision)
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(no_sd_unet())
                 stack.enter_context(plain_webui_attention())
-                index = 0
-                for job in jobs:
-                    job_precision = precision
-                    if job.component.startswith("vae") and precision in ("fp16", "bf16") and host.cmd_flag("no_half_vae"):
-                        job_precision = "fp32"  # --no-half-vae: the VAE computes in fp32, its engines too
-                    with module_context(job.module):
-                        for profile in profiles:
-                            tick = make_tick(report, cancel, index, total, job.spec.name, profile.tag)
-                            records.append(_build_one(cache, be, info, job, source, profile, job_precision, tick,
-                                                      validate))
-                            index += 1
+                return run_jobs(jobs, cache, be, progress=progress or False, cancel=cancel, validate=validate,
+                                context=lambda job: module_context(modules[id(job.spec)]))
         finally:
             cache.drop_unused_intermediates()  # the export of a build that failed
-    return records
 
 
-def _build_one(cache, be, info, job: BuildJob, source: ExportSource, profile: Profile, precision: str,
-               tick, validate_it: bool):
-    """:func:`sd_accel.build.build_one`, keyed by the weights id, with the WebUI facts kept."""
-    from sd_accel.build import build_one
+def engine_job(job: LoadedComponent, source: ExportSource, profile: Profile, precision: str) -> EngineJob:
+    """The builder's job for one component and profile: keyed by the weights id, with the WebUI
+    facts kept in the record; VAE engines in fp32 under ``--no-half-vae``."""
+    if job.component.startswith("vae") and precision in ("fp16", "bf16") and host.cmd_flag("no_half_vae"):
+        precision = "fp32"  # --no-half-vae: the VAE computes in fp32, its engines too
 
     def webui_facts(artifact) -> dict:
         facts = {
@@ -216,5 +213,4 @@ def _build_one(cache, be, info, job: BuildJob, source: ExportSource, profile: Pr
             facts["latent_multiple"] = _latent_multiple(artifact.folder, job.spec)
         return {"webui": facts}
 
-    return build_one(cache, be, info, job.spec, profile, precision, tick, validate_it,
-                     model_id=job.weights_id, record_extra=webui_facts)
+    return EngineJob(job.spec, profile, precision, model_id=job.weights_id, record_extra=webui_facts)
