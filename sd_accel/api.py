@@ -12,8 +12,7 @@ What the faces (CLI, panel and app, serve, bench, the WebUI adapter) may use, ch
   pipeline, so it uses their specs (``components.ldm_*``), the runtime's public entry
   (``runtime``, ``runtime.modules.ProxyModule``), the refit (``refit``, ``onnx.weights``) and
   the ONNX helpers its weights ids and exports need (``onnx.fingerprint``, ``onnx.export``);
-- the benchmark: the machine's description (``device``, ``paths``), random pipelines
-  (``models.*``) and the runtime's stats (``runtime.swap``).
+- ``sd-accel bench`` (the quick check) besides: ``paths`` (its engine folder).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ FACE_MODULES = {
           "sd_accel.cache.intermediates"},
     "webui": {"sd_accel.components.ldm_", "sd_accel.runtime", "sd_accel.runtime.modules", "sd_accel.refit",
               "sd_accel.onnx.weights", "sd_accel.onnx.fingerprint", "sd_accel.onnx.export"},
-    "bench": {"sd_accel.device", "sd_accel.paths", "sd_accel.models.", "sd_accel.runtime.swap"},
+    "bench": {"sd_accel.paths"},
 }
 
 
