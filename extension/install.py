@@ -59,7 +59,7 @@ PROTECTED = ("torch", "torchvision", "torchaudio", "xformers", "gradio", "gradio
              "diffusers", "accelerate", "numpy", "pydantic", "fastapi", "starlette", "safetensors",
              "huggingface_hub", "pillow", "open_clip_torch", "protobuf")
 NEVER_INSTALL = ("torch", "torchvision", "torchaudio", "gradio", "transformers", "diffusers")
-OPENVINO = ("openvino>=2024.0",)
+OPENVINO = ("openvino>=2025.0",)  # as pyproject asks (tests/test_webui_extension.py checks every pin)
 # launch_utils' parse of a requirements line (``requirements_met``): name, then an optional ==version
 RE_REQUIREMENT = re.compile(r"\s*([-_a-zA-Z0-9]+)\s*(?:==\s*([-+_.a-zA-Z0-9]+))?\s*")
 # onnxruntime ships under several distribution names that all provide the same module.

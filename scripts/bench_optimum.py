@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """optimum-intel's OVStableDiffusionPipeline as a row of sd-accel's benchmark (its own venv).
 
-``scripts/bench.py`` (``sd_accel.bench``) runs this script for the rows ``optimum-intel-default``
+``scripts/bench.py`` runs this script for the rows ``optimum-intel-default``
 and ``optimum-intel-hybrid-int8``, with the python of a separate venv: optimum-intel 2.2.0 pins
 ``transformers<5.6`` and (through ``huggingface-hub<1.22``) diffusers 0.39, which clash with
 sd-accel's. Create it at the repository root with
@@ -14,7 +14,7 @@ sd-accel's. Create it at the repository root with
 and transformers then cannot import CLIPTextModel; nothing on the SD path needs it). It imports
 nothing from sd_accel.
 
-Measures what a CPU user of optimum-intel gets today, the way ``sd_accel/bench.py`` measures its
+Measures what a CPU user of optimum-intel gets today, the way ``scripts/bench.py`` measures its
 rows: same model folder, prompt, seed, PNDM scheduler (the folder's), guidance 7.5, batch 1, a
 static reshape to the bench size, a 2-step warm-up, then ``--repeats`` timed generations.
 
@@ -61,7 +61,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import numpy as np
 
-PROMPT = "a photograph of an astronaut riding a horse on mars, highly detailed"  # sd_accel.bench.PROMPT
+PROMPT = "a photograph of an astronaut riding a horse on mars, highly detailed"  # scripts/bench.py's PROMPT
 # sd_accel.calibration.CALIBRATION_PROMPTS (optimum-intel stops at num_samples UNet calls: with its
 # default 200 samples and 50 steps per prompt that is the first 4, the same 4 sd-accel calibrates on)
 CALIBRATION_PROMPTS = (
@@ -372,7 +372,7 @@ def row(args: argparse.Namespace) -> dict[str, Any]:
     print(f"[optimum] {variant}: running at {args.width}x{args.height}, {args.steps} steps", file=sys.stderr, flush=True)
     ran = _phase(args, "run")
     out: dict[str, Any] = {
-        # sd_accel.bench.RowResult fields
+        # scripts/bench.py's RowResult fields
         "variant": variant, "skipped": "",
         **{k: ran.get(k) for k in ("clip_ms", "unet_ms", "unet_ms_spread", "vae_ms", "it_s", "s_per_image",
                                    "s_per_image_spread", "s_per_image_20", "peak_ram_gb", "load_s")},
@@ -428,7 +428,7 @@ def _json_default(value: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", required=True, help="diffusers folder (sd-accel bench's default model)")
+    p.add_argument("--model-dir", required=True, help="diffusers folder (scripts/bench.py's default model)")
     p.add_argument("--size", type=int, default=256, help="image side in px (--height/--width override it)")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)

@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.model, args.size = args.model or "builtin:tiny-sd15", 64
     if not args.model:
-        from sd_accel.bench import default_model
+        from bench import default_model  # scripts/bench.py, beside this script
 
         args.model = default_model()
 

@@ -1,5 +1,19 @@
-"""The Python entry: ``load_pipeline`` and ``accelerate``. The CLI, the app and the WebUI adapter
-call only this layer."""
+"""The Python entry: ``load_pipeline`` and ``accelerate``.
+
+What the faces (CLI, panel and app, serve, bench, the WebUI adapter) may use, checked by
+``tests/test_layers.py`` (:data:`FACE_MODULES` there):
+
+- the package root (``sd_accel``: this module, ``build_engines``, ``EngineCache``, ``stats``,
+  ``refit_engines``) and the modules a request is written in: ``config``, ``core``,
+  ``profiles``, ``generate``, ``samplers``, ``units``, the backend table
+  (``backends.registry``), the builder (``build``) and the cache's folder names
+  (``cache.intermediates``);
+- the WebUI adapter besides: it builds from the WebUI's own LDM modules, not a diffusers
+  pipeline, so it uses their specs (``components.ldm_*``), the runtime's public entry
+  (``runtime``, ``runtime.modules.ProxyModule``), the refit (``refit``, ``onnx.weights``) and
+  the ONNX helpers its weights ids and exports need (``onnx.fingerprint``, ``onnx.export``);
+- ``sd-accel bench`` (the quick check) besides: ``paths`` (its engine folder).
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ of a pipeline swapped with ``builder=`` (:func:`sd_accel.runtime.swap_engines`; 
 makes one for ``engines="auto"``). It sits above the runtime, which only calls it, because it
 builds. On a call no engine covers it works out the static
 profile of that call (its batch, height, width and tokens), builds the engine the usual way
-(:func:`sd_accel.build.build_one`: ONNX export, backend build, validation against torch, the
+(:func:`sd_accel.build.run_jobs`: ONNX export, backend build, validation against torch, the
 cache), and hands it to the call. Each shape is built at most once: a failed build is remembered
 on the pipeline (accelerating it again does not retry), and calls of that shape run torch with
 the reason.
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from sd_accel.build import _reporter, build_one, make_tick
+from sd_accel.build import EngineJob, run_jobs
 from sd_accel.components import specs_for
 from sd_accel.core import EngineError, covers
 from sd_accel.profiles import TOKEN_CHUNK, Profile
@@ -137,7 +137,6 @@ class AutoBuilder:
         if pipe is None:
             raise EngineError("the pipeline these engines were swapped into is gone")
         info = self.backend.info()
-        report = _reporter(self.progress)
         start = time.perf_counter()
         with torch_modules(pipe):  # export and validation need the torch modules in the pipeline
             spec = specs_for(pipe).get(component)
@@ -148,11 +147,8 @@ class AutoBuilder:
                 raise EngineError("no engine profile describes this call's shapes")
             log.warning("%s: no engine covers this call; building one (%s, %s, %s) first: engines='auto', "
                         "once per shape, cached", component, self.backend.name, self.precision, profile.tag)
-            tick = make_tick(report, None, 0, 1, component, profile.tag)
-            try:
-                record = build_one(self.cache, self.backend, info, spec, profile, self.precision, tick, self.validate)
-            finally:
-                report(None)
+            (record,) = run_jobs([EngineJob(spec, profile, self.precision)], self.cache, self.backend,
+                                 progress=self.progress, validate=self.validate)
         handle = EngineHandle(record, self.backend, self.cache, info.arch, info.version)
         if not covers(handle.shapes, feed):
             raise EngineError(f"the engine built ({record.key.name}) does not cover the call")

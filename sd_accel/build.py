@@ -1,14 +1,19 @@
-"""``build_engines``: export each component once, build one engine per profile, validate it,
-and commit it to the cache; engines already in the cache are reused."""
+"""The one builder (:func:`run_jobs`: a list of :class:`EngineJob` in, cache records out) and
+``build_engines``, the Python API's face on it: export each component once, build one engine per
+profile, validate it, and commit it to the cache; engines already in the cache are reused."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sd_accel.backends.registry import check_precision, get_backend
 from sd_accel.cache.key import EngineKey
@@ -29,6 +34,61 @@ class BuildEvent:
     profile: str
     stage: str
     fraction: float
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """One engine to build: what every face (CLI, Python API, autobuild, panel, WebUI, serve)
+    hands :func:`run_jobs`.
+
+    ``spec``: the component spec (a diffusers one, or the WebUI's LDM one); ``model_id``
+    replaces the weight fingerprint in the engine key (the WebUI keys by checkpoint hash);
+    ``record_extra(artifact)`` adds fields to the cache record once the ONNX artifact exists.
+    """
+
+    spec: Any
+    profile: Profile
+    precision: str
+    model_id: str | None = None
+    record_extra: Callable[[Any], dict] | None = None
+
+
+def run_jobs(
+    jobs: Sequence[EngineJob],
+    cache,
+    backend,
+    *,
+    progress: bool | Callable[[BuildEvent], None] = True,
+    cancel: threading.Event | None = None,
+    validate: bool = True,
+    context: Callable[[EngineJob], AbstractContextManager] | None = None,
+) -> list:
+    """The one builder: build (or reuse) each job's engine in turn, validated and committed to
+    ``cache``; returns their records in job order.
+
+    Every precision is checked against ``backend`` first (:func:`registry.check_precision`: the
+    message says what a missing one needs), so nothing is exported for a build that cannot
+    run. Progress reports number the jobs (``index`` of ``total``); ``cancel`` stops the build
+    at the next tick (:class:`BuildCancelled`). ``context(job)``, when given, is entered around
+    each run of consecutive jobs of the same spec (the WebUI undoes its patches of a module once
+    for all its profiles).
+    """
+    for precision in dict.fromkeys(job.precision for job in jobs):
+        check_precision(backend, precision)  # says what a missing precision needs (NNCF, a bf16 CPU)
+    info = backend.info()
+    report = _reporter(progress)
+    records: list = []
+    numbered = list(enumerate(jobs))
+    try:
+        for _, group in itertools.groupby(numbered, key=lambda item: id(item[1].spec)):
+            group = list(group)
+            with context(group[0][1]) if context is not None else contextlib.nullcontext():
+                for index, job in group:
+                    tick = make_tick(report, cancel, index, len(jobs), job.spec.name, job.profile.tag)
+                    records.append(_build_one(cache, backend, info, job, tick, validate))
+    finally:
+        report(None)
+    return records
 
 
 def _profiles(pipe, preset: str | None, profiles: Iterable | None) -> list[Profile]:
@@ -90,20 +150,14 @@ def build_engines(
                            "True (the whole export) or False (nothing)")
     cache = EngineCache(engine_dir)
     be = get_backend(backend, cache_root=cache.root, device=str(getattr(pipe, "device", "cpu")))
-    info = be.info()
     precision = be.default_precision() if precision == "auto" else precision
-    check_precision(be, precision)  # says what a missing precision needs (NNCF for int8, a bf16 CPU)
-    report = _reporter(progress)
-    records = []
+    check_precision(be, precision)  # before the pipeline is read: a refused precision costs nothing
     with torch_modules(pipe):
         specs = specs_for(pipe)
         names = _components(specs, components)
         profs = _profiles(pipe, preset, profiles)
-        jobs = [(specs[n], p) for n in names for p in profs]
-        for index, (spec, profile) in enumerate(jobs):
-            tick = make_tick(report, cancel, index, len(jobs), spec.name, profile.tag)
-            records.append(build_one(cache, be, info, spec, profile, precision, tick, validate))
-        report(None)
+        jobs = [EngineJob(specs[n], p, precision) for n in names for p in profs]
+        records = run_jobs(jobs, cache, be, progress=progress, cancel=cancel, validate=validate)
         if keep_onnx is False:
             cache.drop_intermediates_of(records)
         elif keep_onnx == "graph":
@@ -155,17 +209,13 @@ def built_from(pipe, record) -> bool:
         return spec is not None and fingerprint(spec.torch_module()) == record.key.model
 
 
-def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Progress, validate_it: bool,
-              *, model_id: str | None = None, record_extra: Callable[[object], dict] | None = None):
-    """Build (or reuse) one engine for one spec and profile, validated and committed to the cache.
-
-    ``model_id`` replaces the weight fingerprint in the key (the WebUI keys by checkpoint hash);
-    ``record_extra(artifact)`` adds fields to the cache record once the ONNX artifact exists.
-    """
+def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: bool):
+    """Build (or reuse) one job's engine, validated and committed to the cache."""
     from sd_accel.onnx.export import ensure_onnx_artifact
     from sd_accel.onnx.fingerprint import fingerprint
 
-    model = model_id or fingerprint(spec.torch_module())
+    spec, profile, precision, record_extra = job.spec, job.profile, job.precision, job.record_extra
+    model = job.model_id or fingerprint(spec.torch_module())
     key = EngineKey(model, spec.name, be.name, info.version, info.arch, precision, profile.tag)
     existing = cache.get(key)
     if existing is not None and existing.status == "ok":
@@ -179,17 +229,16 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
         tick(0.0, "exporting ONNX")
         artifact = ensure_onnx_artifact(spec, cache.root, progress=lambda f, m: tick(0.4 * f, m))
         shapes = spec.shape_ranges(profile)
-        extra, holdout = {}, None
+        calibration, holdout = None, None
         if precision == "int8":  # static INT8: calibration feeds captured from real prompt runs (cached)
             from sd_accel.calibration import calibration_for, split_holdout
 
             tick(0.4, "capturing calibration data from prompt runs")
-            extra["calibration"], holdout = split_holdout(calibration_for(spec, profile, cache.root))
+            calibration, holdout = split_holdout(calibration_for(spec, profile, cache.root))
         scopes = int8_scopes(be, precision, validate_it)
         for attempt, scope in enumerate(scopes, 1):
-            options = {**extra, "int8_scope": scope} if scope else extra
             files, result = _build_and_check(be, spec, artifact, profile, shapes, precision, slot.dir, tick,
-                                             validate_it, holdout, options)
+                                             validate_it, holdout, calibration, scope)
             if result is None or result.ok:
                 break
             if attempt == len(scopes):
@@ -210,7 +259,7 @@ def build_one(cache, be, info, spec, profile: Profile, precision: str, tick: Pro
 
 
 def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: str, out_dir: Path, tick: Progress,
-                     validate_it: bool, holdout, options: dict):
+                     validate_it: bool, holdout, calibration, int8_scope: str | None):
     """One backend build into ``out_dir`` and, when asked, its check against torch: (files,
     validation or None)."""
     from sd_accel.onnx.export import full_model
@@ -219,7 +268,8 @@ def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: st
     # Inside the slot: a crash leaves it where leftovers of this build are removed.
     with full_model(artifact, spec.torch_module(), out_dir / ".onnx-source") as source:
         release_torch_weights(spec)
-        files = be.build(source, shapes, precision, out_dir, lambda f, m: tick(0.4 + 0.4 * f, m), **options)
+        files = be.build(source, shapes, precision, out_dir, lambda f, m: tick(0.4 + 0.4 * f, m),
+                         calibration=calibration, int8_scope=int8_scope)
     if not validate_it:
         return files, None
     tick(0.85, "validating against torch")
@@ -234,7 +284,7 @@ def int8_scopes(be, precision: str, validate_it: bool) -> tuple[str | None, ...]
     """The int8 scopes to build in turn (the backend's ``int8_scopes``, widest first): all of
     them when validation can turn the wider ones down, else only the safest; ``(None,)`` for
     other precisions and for backends with a single int8 scope."""
-    scopes = tuple(getattr(be, "int8_scopes", ()))
+    scopes = tuple(be.int8_scopes)
     if precision != "int8" or not scopes:
         return (None,)
     return scopes if validate_it else scopes[-1:]

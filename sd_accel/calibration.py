@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from sd_accel.core import CalibrationSet, InvalidValue
+from sd_accel.paths import calibration_file, calibration_temp
 
 log = logging.getLogger("sd_accel")
 
@@ -112,7 +113,7 @@ def capture_calibration(
 def _cache_file(cache_root: Path, fingerprint: str, component: str, shapes: dict, prompts, steps: int) -> Path:
     tag = repr((sorted((k, v[1]) for k, v in shapes.items()), list(prompts), steps))
     digest = hashlib.sha256(tag.encode()).hexdigest()[:16]
-    return Path(cache_root) / "calibration" / f"{fingerprint[:16]}-{component}-{digest}.npz"
+    return calibration_file(cache_root, fingerprint, component, digest)
 
 
 def calibration_for(
@@ -139,7 +140,8 @@ def calibration_for(
     sets = capture_calibration(pipe, specs, height=height, width=width, batch=batch, prompts=prompts, steps=steps)
     for name, cset in sets.items():
         s = specs[name]
-        cset.save(_cache_file(cache_root, fingerprint(s.torch_module()), name, s.shape_ranges(profile), prompts, steps))
+        path = _cache_file(cache_root, fingerprint(s.torch_module()), name, s.shape_ranges(profile), prompts, steps)
+        cset.save(path, calibration_temp(path))
     if spec.name not in sets or not sets[spec.name].feeds:
         raise InvalidValue(f"no calibration data could be captured for {spec.name!r}")
     return sets[spec.name]

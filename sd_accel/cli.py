@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from sd_accel import bench, cli_engines
 
-    bch = sub.add_parser("bench", help="benchmark plain diffusers vs sd-accel (torch, engines, INT8) side by side")
+    bch = sub.add_parser("bench", help="a quick check: torch vs each usable backend's engines, side by side "
+                         "(the full benchmark: python scripts/bench.py in a checkout)")
     bench.add_arguments(bch)
     bch.set_defaults(func=bench.run_from_args)
 

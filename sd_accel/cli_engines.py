@@ -13,13 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from sd_accel.config import BACKENDS, ENGINE_PRECISIONS
-from sd_accel.core import BuildCancelled, InvalidValue
-
-COMPONENT_ALIASES = {
-    "clip": ("clip", "clip2"),
-    "unet": ("unet",),
-    "vae": ("vae_decoder", "vae_encoder"),
-}
+from sd_accel.core import COMPONENT_ALIASES, BuildCancelled, InvalidValue
 
 
 def _range_arg(name: str):

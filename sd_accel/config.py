@@ -14,7 +14,7 @@ VAE_PRECISION = ("auto", "fp32", "same")
 OFFLOAD = ("none", "medvram", "lowvram")
 # "auto" and the names in the backend table (sd_accel/backends/registry.py), for menus and --help
 BACKENDS = registry.choices()
-ENGINE_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int8-dynamic")
+ENGINE_PRECISIONS = registry.engine_precisions()  # what some backend builds: the table's ``builds``
 ENGINES = (False, True, "auto")  # off, the engines in the cache, the cache plus builds on first use
 
 

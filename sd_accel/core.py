@@ -1,4 +1,4 @@
-"""The foundation every layer may import: shapes, progress callbacks and errors.
+"""The foundation every layer may import: shapes, progress callbacks, component names and errors.
 
 Nothing here imports another sd-accel module (nor torch at run time), so no layer ever has to
 import upwards to share a type. Every error the package raises derives from ``SdAccelError``;
@@ -76,12 +76,13 @@ class CalibrationSet:
     def __len__(self) -> int:
         return len(self.feeds)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, tmp: Path) -> None:
+        """Write to ``tmp`` (a name ending in ``.npz``), then rename it to ``path``: a reader never
+        sees half a file. The caller names both (sd_accel.paths owns the cache's names)."""
         import numpy as np
 
         arrays: dict[str, Any] = {f"{i}/{k}": v for i, feed in enumerate(self.feeds) for k, v in feed.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, **arrays)
         tmp.replace(path)
 
@@ -95,6 +96,26 @@ class CalibrationSet:
                 index, name = key.split("/", 1)
                 feeds.setdefault(int(index), {})[name] = data[key]
         return cls(component, [feeds[i] for i in sorted(feeds)])
+
+
+# --------------------------------------------------------------------------- component names
+
+# The one vocabulary of every face (CLI, panel, WebUI, serve). The specs behind the names are in
+# sd_accel.components (whose order this is); the names live here so that the CLI and the panels
+# read them without importing torch.
+COMPONENTS: tuple[str, ...] = ("clip", "clip2", "unet", "vae_decoder", "vae_encoder")
+# The pipeline attribute each component stands in for (the VAE serves two).
+PIPELINE_ATTRIBUTE: dict[str, str] = {"clip": "text_encoder", "clip2": "text_encoder_2", "unet": "unet",
+                                      "vae_decoder": "vae", "vae_encoder": "vae"}
+# What a face builds when not told: vae_encoder only serves img2img, and leaving it out keeps the
+# first build shorter. A face offers the ones its model has (the WebUI's has no clip2).
+DEFAULT_COMPONENTS: tuple[str, ...] = ("clip", "clip2", "unet", "vae_decoder")
+# Names that stand for several components (``--components vae``): the text encoders, the VAE's halves.
+COMPONENT_ALIASES: dict[str, tuple[str, ...]] = {
+    "clip": ("clip", "clip2"),
+    "unet": ("unet",),
+    "vae": tuple(c for c, attr in PIPELINE_ATTRIBUTE.items() if attr == "vae"),
+}
 
 
 # --------------------------------------------------------------------------- errors

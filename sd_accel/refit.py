@@ -46,6 +46,7 @@ import torch
 from sd_accel.core import SPEC_VERSION, EngineError, InvalidValue
 from sd_accel.core import peft_layer as _peft_layer
 from sd_accel.onnx.weights import effective_weights, write_full
+from sd_accel.paths import export_dir
 from sd_accel.runtime.selection import REFIT_CLOSED
 
 log = logging.getLogger("sd_accel")
@@ -63,7 +64,7 @@ def _artifact(cache_root: Path, record) -> Path:
     key = record.key
     # The export is keyed by the weights' fingerprint: the key's own, or, for engines keyed by
     # another id (the WebUI's checkpoint hash), the fingerprint their record keeps.
-    candidates = [Path(cache_root) / "onnx" / f"{component}.{weights}.s{SPEC_VERSION}" / "model.onnx"
+    candidates = [export_dir(cache_root, component, weights, SPEC_VERSION) / "model.onnx"
                   for component, weights in sorted(serves(record), key=lambda pair: pair[1] != key.model[:16])]
     for path in candidates:
         if path.exists():
@@ -156,9 +157,9 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     from sd_accel.profiles import Profile
     from sd_accel.validate import validate
 
-    patch = getattr(handle.backend, "patch_weights", None)
-    if patch is None:
+    if not handle.backend.patches_weights:  # declared in backends/base.py (False by default)
         return None
+    patch = handle.backend.patch_weights
     record = handle.record
     progress(0.0, "writing the current weights into a copy of the engine")
     files = patch(handle.cache.engine_dir(record.key), list(record.files), onnx_values(export, weights), out)

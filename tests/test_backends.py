@@ -25,6 +25,23 @@ def test_every_entry_keeps_the_contract(entry):
         assert info.why_not
 
 
+@pytest.mark.parametrize("entry", registry.TABLE, ids=lambda e: e.name)
+def test_the_contract_is_declared_and_the_precisions_come_from_the_table(entry):
+    """Optional capabilities are declared in backends/base.py with defaults (no caller probes
+    with getattr); what a backend builds here is the table's ``builds`` less what is missing."""
+    from sd_accel.backends.base import Backend
+    from sd_accel.config import ENGINE_PRECISIONS
+
+    backend = registry.create(entry.name)
+    assert isinstance(backend, Backend)
+    assert isinstance(backend.int8_scopes, tuple) and isinstance(backend.patches_weights, bool)
+    assert set(backend.precisions()) <= set(entry.builds)
+    for precision in entry.builds:
+        assert (precision in backend.precisions()) == (backend.missing(precision) is None)
+    assert set(ENGINE_PRECISIONS) == {p for e in registry.TABLE for p in e.builds}
+    assert ENGINE_PRECISIONS == ("fp32", "fp16", "bf16", "int8", "int8-dynamic")
+
+
 def test_names_and_errors():
     assert registry.choices()[0] == "auto" and set(registry.names()) == {"tensorrt", "openvino", "onnxruntime"}
     with pytest.raises(InvalidValue, match="allowed: auto, tensorrt"):
@@ -84,7 +101,7 @@ def test_a_precision_a_backend_cannot_build_says_what_it_needs(monkeypatch, tiny
 
 def test_a_new_backend_is_one_module_and_one_entry(monkeypatch, tmp_path, tiny_sd15):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    extra = registry.BackendEntry("ortcopy", "fake_backend", "cpu", "CPUs", "it is in the tests")
+    extra = registry.BackendEntry("ortcopy", "support.fake_backend", "cpu", "CPUs", "it is in the tests")
     monkeypatch.setattr(registry, "TABLE", (*registry.TABLE, extra))
 
     rows = {row["name"]: row for row in registry.describe()}

@@ -8,7 +8,10 @@ import json
 
 import pytest
 
-from sd_accel.bench import CPU_VARIANTS, main
+from support.scripts import load
+
+bench = load("bench")  # scripts/bench.py: the harness lives beside the package, not in it
+CPU_VARIANTS, main = bench.CPU_VARIANTS, bench.main
 
 HAS = {name: importlib.util.find_spec(name) is not None for name in ("openvino", "nncf")}
 
@@ -82,7 +85,7 @@ def test_timings_add_up(report):
 def test_markdown_has_table_machine_versions_and_command(report):
     _, data, md = report
     assert "| row |" in md and "Machine:" in md and "onnxruntime" in md
-    assert "sd-accel bench --tiny" in md and data["command"].startswith("sd-accel bench")
+    assert "python scripts/bench.py --tiny" in md and data["command"].startswith("python scripts/bench.py")
 
 
 @pytest.mark.slow
@@ -104,7 +107,7 @@ def test_unknown_variant_is_refused():
 def test_rounds_run_every_row_again_in_turn_and_report_its_median_round(tmp_path):
     """``--rounds``: after the first pass every row runs again, in turn; each row reports its
     median round, the spread over all rounds and the highest peak RAM."""
-    from sd_accel.bench import BenchConfig, run_bench
+    BenchConfig, run_bench = bench.BenchConfig, bench.run_bench
 
     cfg = BenchConfig(model="builtin:tiny-sd15", device="cpu", height=64, width=64, steps=2, repeats=1, rounds=3,
                       engine_dir=str(tmp_path / "engines"), out_dir=str(tmp_path / "out"))
@@ -126,8 +129,6 @@ def test_arch_picks_the_family_of_the_default_model(monkeypatch):
     SDXL); without it, SD 1.5 as before."""
     import argparse
 
-    from sd_accel import bench
-
     asked: list[str] = []
     monkeypatch.setattr(bench, "default_model", lambda arch="sd15": asked.append(arch) or f"/cache/{arch}")
 
@@ -147,7 +148,7 @@ def test_arch_picks_the_family_of_the_default_model(monkeypatch):
 
 def test_engine_rows_build_the_components_the_pipeline_has():
     """SDXL's second text encoder gets an engine too; SD 1.x has none to build."""
-    from sd_accel.bench import _engine_jobs
+    _engine_jobs = bench._engine_jobs
 
     sd15 = ("clip", "unet", "vae_decoder", "vae_encoder")
     assert _engine_jobs("openvino-fp32", sd15) == [("openvino", "fp32", ["clip", "unet", "vae_decoder"])]
@@ -163,7 +164,7 @@ def test_engine_rows_build_the_components_the_pipeline_has():
 
 @pytest.mark.slow
 def test_tiny_sdxl_rows_time_both_text_encoders_and_build_clip2(tmp_path):
-    from sd_accel.bench import BenchConfig, run_bench
+    BenchConfig, run_bench = bench.BenchConfig, bench.run_bench
 
     cfg = BenchConfig(model="builtin:tiny-sdxl", device="cpu", height=64, width=64, steps=2, repeats=1,
                       engine_dir=str(tmp_path / "engines"), out_dir=str(tmp_path / "out"))

@@ -13,8 +13,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sd_accel import bench
-from sd_accel.bench import CPU_VARIANTS, OPTIMUM, OPTIMUM_SETUP, BenchConfig, prefix_text_encoder, run_bench
+from support.scripts import load
+
+bench = load("bench")  # scripts/bench.py: the harness lives beside the package, not in it
+CPU_VARIANTS, OPTIMUM, OPTIMUM_SETUP, BenchConfig = bench.CPU_VARIANTS, bench.OPTIMUM, bench.OPTIMUM_SETUP, bench.BenchConfig
+prefix_text_encoder, run_bench = bench.prefix_text_encoder, bench.run_bench
 
 ROWS = ("optimum-intel-default", "optimum-intel-hybrid-int8")
 

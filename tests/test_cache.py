@@ -623,14 +623,16 @@ def test_disk_full_writing_meta_keeps_the_old_engine(
 ) -> None:
     key = make_key()
     old = build(cache, key)
-    real_write = store.write_json_atomic
+    from sd_accel.cache import slots  # BuildSlot.commit writes meta.json
+
+    real_write = slots.write_json_atomic
 
     def full_disk_for_meta(path: Path, data: object) -> None:
         if path.name == META_FILE:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real_write(path, data)
 
-    monkeypatch.setattr(store, "write_json_atomic", full_disk_for_meta)
+    monkeypatch.setattr(slots, "write_json_atomic", full_disk_for_meta)
     with pytest.raises(EngineError, match="disk is full"), cache.build_slot(key, force=True) as slot:
         assert slot is not None
         (slot.dir / "model.onnx").write_bytes(b"new engine")

@@ -257,3 +257,21 @@ def test_missing_module_is_left_out(tiny_sdxl):
     assert list(specs_for(refiner_like)) == ["clip2", "unet", "vae_decoder", "vae_encoder"]
     with pytest.raises(ValueError, match="text_encoder"):
         ClipSpec(refiner_like).torch_module()
+
+
+def test_every_face_uses_the_one_component_vocabulary():
+    """core.py names the components once; the specs, the runtime's slots, the CLI's aliases, the
+    panel and the WebUI read those names (the WebUI's model has no clip2)."""
+    from sd_accel import core
+    from sd_accel.components import COMPONENTS
+    from sd_accel.runtime.swap import SLOTS
+    from sd_accel.ui import state
+    from sd_accel.webui import jobs, stand_ins
+
+    assert COMPONENTS == core.COMPONENTS == state.COMPONENT_CHOICES
+    assert SLOTS == {"text_encoder": ("clip",), "text_encoder_2": ("clip2",), "unet": ("unet",),
+                     "vae": ("vae_decoder", "vae_encoder")}
+    assert core.COMPONENT_ALIASES["vae"] == SLOTS["vae"]
+    assert state.DEFAULT_COMPONENTS == core.DEFAULT_COMPONENTS == ("clip", "clip2", "unet", "vae_decoder")
+    assert set(stand_ins.COMPONENTS) <= set(core.COMPONENTS)
+    assert jobs.DEFAULT_COMPONENTS == ("unet", "vae_decoder", "clip")  # the WebUI builds the UNet first

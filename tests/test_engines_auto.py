@@ -123,11 +123,11 @@ def test_a_failed_build_is_remembered_and_runs_torch(tmp_path, monkeypatch):
 
     calls = []
 
-    def failing(cache, be, info, spec, profile, *args, **kwargs):
-        calls.append(spec.name)
+    def failing(jobs, cache, be, **kwargs):
+        calls.extend(job.spec.name for job in jobs)
         raise EngineError("the backend ran out of patience")
 
-    monkeypatch.setattr(autobuild, "build_one", failing)
+    monkeypatch.setattr(autobuild, "run_jobs", failing)
     pipe = auto_pipe(tmp_path)
     generate(pipe)
     generate(pipe)

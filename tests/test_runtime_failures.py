@@ -185,3 +185,14 @@ def test_classify_and_out_of_memory_read_causes():
     assert out_of_memory(wrapped) and classify(wrapped, "load")[0] == "oom"
     assert not out_of_memory(RuntimeError("shape mismatch"))
     assert classify(RuntimeError("shape mismatch"), "load")[0] == "fault"
+
+
+def test_an_output_the_caller_rejects_counts_as_one_torch_call_only(cache):
+    """A decode that gave NaN runs torch: counted once as torch, never as an engine call."""
+    key = store(cache)
+    engines = engines_for(cache, Backend(), "weights-a", "unet")
+    assert engines.run(FEED, need=("y",), check=lambda out: "engine decode produced NaN/inf") is None
+    assert (engines.stats.engine_calls, engines.stats.torch_calls) == (0, 1)
+    assert not engines.stats.engines_used and engines.stats.fallbacks == {"engine decode produced NaN/inf": 1}
+    assert engines.run(FEED, need=("y",), check=lambda out: None) is not None
+    assert (engines.stats.engine_calls, engines.stats.engines_used[key.name]) == (1, 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,37 @@ def test_install_never_touches_the_webuis_own_packages(tmp_path, monkeypatch, ca
     assert install.tensorrt_requirements()[0] == []
 
 
+def _pyproject_pins() -> dict[str, str]:
+    """name -> version specifier of every requirement in pyproject.toml (extras included)."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for line in [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]:
+        requirement = line.split(";")[0].strip()  # the platform marker is not a pin
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)
+        pins.setdefault(name.lower(), requirement[len(name):].split("]")[-1].strip())
+    return pins
+
+
+def test_install_asks_for_the_versions_pyproject_asks_for(monkeypatch):
+    """A pin moved in pyproject must move here too (the extension once asked openvino>=2024.0 after
+    pyproject had moved to >=2025.0)."""
+    install = _install_module()
+    pins = _pyproject_pins()
+    wanted = [*install.REQUIREMENTS, *install.OPENVINO, *install.TENSORRT]
+    for requirement in wanted:
+        name = install.requirement_name(requirement)
+        assert name.lower() in pins, f"{requirement}: not in pyproject.toml"
+        assert requirement[len(name):] == pins[name.lower()], f"{requirement}: pyproject asks {name}{pins[name.lower()]}"
+    # TensorRT comes as tensorrt-cuXX from NVIDIA's index; its lower bound is pyproject's.
+    monkeypatch.setattr(install, "torch_cuda_major", lambda: "12")
+    monkeypatch.setattr(install, "installed_version", lambda d: None)
+    monkeypatch.delenv("SD_ACCEL_INSTALL_TENSORRT", raising=False)
+    trt = [r for r in install.tensorrt_requirements()[0] if r.startswith("tensorrt")]
+    assert trt and trt[0].split(",")[0] == "tensorrt-cu12" + pins["tensorrt"], trt
+
+
 def test_install_keeps_the_webuis_exact_pins_and_adds_openvino_on_cpu(tmp_path, monkeypatch, capsys):
     install = _install_module()
     # Every exact pin of the WebUI's requirements file, at what is installed (launch_utils'
@@ -147,11 +179,11 @@ def test_install_keeps_the_webuis_exact_pins_and_adds_openvino_on_cpu(tmp_path, 
     # OpenVINO on a CPU build of torch (or a WebUI told to compute on the CPU), not on CUDA.
     monkeypatch.setattr(install, "installed_version", lambda d: None if d == "openvino" else real_version(d))
     monkeypatch.setattr(install, "torch_cuda_major", lambda: None)
-    assert install.openvino_requirements()[0] == ["openvino>=2024.0"]
+    assert install.openvino_requirements()[0] == ["openvino>=2025.0"]
     monkeypatch.setattr(install, "torch_cuda_major", lambda: "12")
     assert install.openvino_requirements()[0] == []
     monkeypatch.setenv("COMMANDLINE_ARGS", "--api --always-cpu")
-    assert install.openvino_requirements()[0] == ["openvino>=2024.0"]
+    assert install.openvino_requirements()[0] == ["openvino>=2025.0"]
     monkeypatch.setenv("SD_ACCEL_INSTALL_OPENVINO", "0")
     assert install.openvino_requirements()[0] == []
 
@@ -452,7 +484,7 @@ def test_webui_path_does_not_import_diffusers(tmp_path):
         "        if name.split('.')[0] == 'diffusers':\n"
         "            raise ImportError('diffusers is blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import sd_accel.components.ldm_unet, sd_accel.webui.export, sd_accel.webui.runner\n"
+        "import sd_accel.components.ldm_unet, sd_accel.webui.export, sd_accel.webui.tracing, sd_accel.webui.runner\n"
         "import sd_accel.webui.controller, sd_accel.webui.tab, sd_accel.webui.api\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -147,10 +147,10 @@ def test_forge_attention_is_plain_in_the_export(tmp_path, monkeypatch):
     reproduces the field failure (Forge 2024: "latent has NaN/inf")."""
     harness.start(tmp_path, forge=True)
     from sd_accel.core import EngineError
-    from sd_accel.webui import export
+    from sd_accel.webui import tracing
     from sd_accel.webui.jobs import build_for_checkpoint
 
-    monkeypatch.setattr(export, "_FORGE_ATTENTION", ())
+    monkeypatch.setattr(tracing, "_FORGE_ATTENTION", ())
     with pytest.raises(EngineError, match="NaN"):
         build_for_checkpoint(profile=STATIC_FORGE.to_dict(), components=["unet"])
     monkeypatch.undo()
@@ -167,7 +167,7 @@ STATIC_FORGE = Profile(batch=1, height=64, width=64)
 def test_plain_forge_attention_swaps_forge_1_and_2_functions_and_restores_them(monkeypatch):
     import types
 
-    from sd_accel.webui.export import plain_forge_attention, plain_heads_attention, plain_spatial_attention
+    from sd_accel.webui.tracing import plain_forge_attention, plain_heads_attention, plain_spatial_attention
 
     def sub_quad(q, k, v, heads, mask=None):
         return q

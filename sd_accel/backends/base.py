@@ -7,6 +7,7 @@ runner never pads, truncates or reshapes: a feed outside its shapes is refused (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -34,25 +35,63 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-class Backend(Protocol):
-    """One backend: what it is on this machine, how to build, how to load.
+class Backend:
+    """One backend: what it is on this machine, how to build, how to load. A backend subclasses
+    this; the methods without a default are the contract, the rest are optional capabilities
+    whose defaults say "not here" (so no caller has to probe for them).
 
     ``build`` writes engine files into ``out_dir`` and returns their names relative to it;
-    ``calibration`` carries the real input feeds static INT8 needs (other precisions ignore it).
+    ``calibration`` carries the real input feeds static INT8 needs (other precisions ignore it);
+    ``int8_scope`` is one of :attr:`int8_scopes` (None: the backend's safest).
     """
 
-    name: str
+    name: str  # its name in registry.TABLE
     torch_device: str  # where the runner's feeds and outputs live, and validation runs torch
+    # The int8 scopes (which layers stay in float) widest first: a validated int8 build tries
+    # them in turn while the check turns the wider ones down. Empty: one int8 build, no choice.
+    int8_scopes: tuple[str, ...] = ()
+    # Whether :meth:`patch_weights` can write new weights into a copy of an engine (a LoRA refit
+    # without a build); False: a refit always rebuilds from the exported graph.
+    patches_weights: bool = False
 
-    def info(self) -> BackendInfo: ...
+    def info(self) -> BackendInfo:
+        raise NotImplementedError
 
-    def precisions(self) -> tuple[str, ...]: ...
+    def precisions(self) -> tuple[str, ...]:
+        """What it builds here: the table's ``builds`` (registry.py, the one list), less those
+        :meth:`missing` says this machine lacks something for."""
+        from sd_accel.backends.registry import entry  # the table imports no backend; no cycle at import
 
-    def default_precision(self) -> str: ...
+        return tuple(p for p in entry(self.name).builds if self.missing(p) is None)
+
+    def missing(self, precision: str) -> str | None:
+        """What ``precision`` needs that this machine lacks (a CPU feature, a package to install), in
+        words a user can act on; None when nothing is missing (or the backend never builds it)."""
+        return None
+
+    def default_precision(self) -> str:
+        raise NotImplementedError
+
+    def summary(self) -> str | None:
+        """What it gives on this machine, for a face's status line (None: the face lists
+        :meth:`precisions`)."""
+        return None
+
+    def install_packages(self) -> tuple[str, ...]:
+        """The pip packages that make it usable here (for a face's install hint)."""
+        return ()
 
     def build(
         self, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path, progress: Progress,
-        calibration: CalibrationSet | None = None,
-    ) -> list[str]: ...
+        calibration: CalibrationSet | None = None, int8_scope: str | None = None,
+    ) -> list[str]:
+        raise NotImplementedError
 
-    def load(self, engine_dir: Path, files: list[str], shapes: ShapeRanges) -> Runner: ...
+    def load(self, engine_dir: Path, files: list[str], shapes: ShapeRanges) -> Runner:
+        raise NotImplementedError
+
+    def patch_weights(self, engine_dir: Path, files: list[str], value: Callable[[str], object],
+                      out_dir: Path) -> list[str] | None:
+        """A copy of an engine in ``out_dir`` with every weight set to ``value(onnx_name)``: its
+        files, or None where the change needs a build. Only called where :attr:`patches_weights`."""
+        return None

@@ -35,25 +35,29 @@ class BackendEntry:
     torch_device: str  # where its runner's feeds and the torch reference live ("cpu" or "cuda")
     runs_on: str  # for doctor and errors
     install: str  # how a user gets it
-    builds: tuple[str, ...] = ()  # every precision it builds on some machine (for hints)
-    # (precision, what it needs) where that depends on the machine or an optional package
-    needs: tuple[tuple[str, str], ...] = ()
+    # Every precision it builds on some machine: the one list (each backend's precisions() is this
+    # less what the machine lacks, ENGINE_PRECISIONS the union). What a precision needs where it
+    # depends on the machine or an optional package, the backend says (Backend.missing).
+    builds: tuple[str, ...] = ()
+    title: str = ""  # its name as a face prints it (default: ``name``)
+    pitch: str = ""  # why a user would want it, for a face that says it is not installed
+
+    @property
+    def display(self) -> str:
+        return self.title or self.name
 
 
 TABLE: tuple[BackendEntry, ...] = (
     BackendEntry("tensorrt", "sd_accel.backends.tensorrt", "cuda", "NVIDIA GPUs",
                  "pip install 'sd-accel[tensorrt]' with a CUDA build of torch (see README, GPU)",
-                 builds=("fp16", "fp32")),
+                 builds=("fp16", "fp32"), title="TensorRT"),
     BackendEntry("openvino", "sd_accel.backends.openvino", "cpu", "CPUs (bf16 with AVX512-BF16 or AMX, int8 with NNCF)",
                  "pip install openvino (installed with sd-accel where OpenVINO has wheels: Linux x86_64 "
                  "and aarch64, Windows x86_64, macOS arm64)",
-                 builds=("fp32", "bf16", "int8"),
-                 needs=(("bf16", "bf16 needs a CPU with AVX512-BF16 or AMX (`sd-accel doctor` shows the CPU "
-                                 "class); build fp32, or int8 with NNCF"),
-                        ("int8", "OpenVINO int8 needs NNCF, which is not installed: `pip install nncf` "
-                                 "(or `pip install 'sd-accel[openvino]'`)"))),
+                 builds=("fp32", "bf16", "int8"), title="OpenVINO",
+                 pitch="the fastest CPU backend (bf16 on CPUs with AMX / AVX512-BF16)"),
     BackendEntry("onnxruntime", "sd_accel.backends.onnxruntime", "cpu", "CPUs, and NVIDIA GPUs with onnxruntime-gpu",
-                 "pip install onnxruntime", builds=("fp32", "int8", "int8-dynamic")),
+                 "pip install onnxruntime", builds=("fp32", "int8", "int8-dynamic"), title="ONNX Runtime"),
 )
 # ``auto`` takes the first of these that is usable here, by device kind: OpenVINO is the fastest
 # CPU backend measured (scripts/BENCHMARKS.md), and its engines run on the CPU only, so a machine
@@ -66,6 +70,20 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 
 def names() -> tuple[str, ...]:
     return tuple(e.name for e in TABLE)
+
+
+def _bits(precision: str) -> int:
+    return int("".join(c for c in precision.split("-")[0] if c.isdigit()))
+
+
+def engine_precisions() -> tuple[str, ...]:
+    """Every precision some backend builds (the table's ``builds``), widest first.
+
+    >>> engine_precisions()
+    ('fp32', 'fp16', 'bf16', 'int8', 'int8-dynamic')
+    """
+    union = dict.fromkeys(p for e in TABLE for p in e.builds)
+    return tuple(sorted(union, key=_bits, reverse=True))  # stable: the table's order within a width
 
 
 def choices() -> tuple[str, ...]:
@@ -126,8 +144,7 @@ def check_precision(backend, precision: str) -> None:
     built = tuple(backend.precisions())
     if precision in built:
         return
-    known = next((e for e in TABLE if e.name == backend.name), None)
-    why = dict(known.needs).get(precision) if known is not None else None
+    why = backend.missing(precision)
     if why is None:
         others = [e.name for e in TABLE if precision in e.builds and e.name != backend.name]
         why = (f"{precision} engines come from the {' or '.join(others)} backend (backend=... / --backend)"

@@ -26,22 +26,22 @@ under the locks.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..paths import (
+    CALIBRATION_DIR,
+    CALIBRATION_TEMP,
+    ONNX_DIR,
+    calibration_temp,
+    parse_calibration,
+    parse_export,
+    parse_export_temp,
+)
 from .record import EngineRecord
 
-ONNX_DIR = "onnx"
-CALIBRATION_DIR = "calibration"
-KINDS = (ONNX_DIR, CALIBRATION_DIR)
-
-# sd_accel.onnx.export.artifact_dir and sd_accel.calibration._cache_file name them so.
-_EXPORT = re.compile(r"^(?P<component>[A-Za-z0-9_]+)\.(?P<weights>[0-9a-f]{16})\.s(?P<spec>\d+)$")
-_EXPORT_TEMP = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-[^/]+$")
-_CALIBRATION = re.compile(r"^(?P<weights>[0-9a-f]{16})-(?P<component>[A-Za-z0-9_]+)-[0-9a-f]{16}\.npz$")
-_CALIBRATION_TEMP = ".tmp.npz"
+KINDS = (ONNX_DIR, CALIBRATION_DIR)  # named, written and parsed in sd_accel.paths
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,9 @@ def paths(root: Path, item: Intermediate) -> list[Path]:
     base = root / item.name
     if item.kind == ONNX_DIR:
         folder = base.parent
-        temps = [p for p in folder.glob(f".{base.name}.*") if _EXPORT_TEMP.match(p.name)] if folder.is_dir() else []
+        temps = [p for p in folder.glob(f".{base.name}.*") if parse_export_temp(p.name)] if folder.is_dir() else []
         return [base, *temps]
-    return [base, base.with_name(base.name + _CALIBRATION_TEMP)]
+    return [base, calibration_temp(base)]
 
 
 def scan(root: Path, records: Iterable[EngineRecord], building: Iterable[str] = ()) -> list[Intermediate]:
@@ -136,15 +136,16 @@ def _exports(root: Path):
         return
     sizes: dict[str, int] = {}
     for entry in folder.iterdir():
-        temp = _EXPORT_TEMP.match(entry.name)
+        temp = parse_export_temp(entry.name)
         if temp:  # an export in progress, or left by a crash: counted with its export
-            sizes[temp["name"]] = sizes.get(temp["name"], 0) + _size(entry)
+            sizes[temp] = sizes.get(temp, 0) + _size(entry)
         elif entry.is_dir():
             sizes[entry.name] = sizes.get(entry.name, 0) + _size(entry)
     for name, size in sorted(sizes.items()):
-        match = _EXPORT.match(name)
-        if match:
-            yield f"{ONNX_DIR}/{name}", match["component"], match["weights"], int(match["spec"]), size
+        parsed = parse_export(name)
+        if parsed:
+            component, weights, spec = parsed
+            yield f"{ONNX_DIR}/{name}", component, weights, spec, size
         else:  # an export of another layout: counted, never matched to an engine
             yield f"{ONNX_DIR}/{name}", "", "", None, size
 
@@ -157,12 +158,12 @@ def _calibrations(root: Path):
     for entry in folder.iterdir():
         if not entry.is_file():
             continue
-        name = entry.name[: -len(_CALIBRATION_TEMP)] if entry.name.endswith(_CALIBRATION_TEMP) else entry.name
+        name = entry.name[: -len(CALIBRATION_TEMP)] if entry.name.endswith(CALIBRATION_TEMP) else entry.name
         sizes[name] = sizes.get(name, 0) + _size(entry)
     for name, size in sorted(sizes.items()):
-        match = _CALIBRATION.match(name)
-        if match:
-            yield f"{CALIBRATION_DIR}/{name}", match["component"], match["weights"], None, size
+        parsed = parse_calibration(name)
+        if parsed:
+            yield f"{CALIBRATION_DIR}/{name}", *parsed, None, size
         else:
             yield f"{CALIBRATION_DIR}/{name}", "", "", None, size
 

@@ -12,14 +12,15 @@ from sd_accel.components.clip import Clip2Spec, ClipSpec
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.components.unet import UNetSpec, export_latent_size, vae_scale_factor
 from sd_accel.components.vae import VaeDecoderSpec, VaeEncoderSpec
-from sd_accel.core import UnsupportedComponent
+from sd_accel.core import COMPONENTS as NAMES
+from sd_accel.core import PIPELINE_ATTRIBUTE, UnsupportedComponent
 
 log = logging.getLogger("sd_accel")
 
 _SPECS: tuple[type[ComponentSpec], ...] = (ClipSpec, Clip2Spec, UNetSpec, VaeDecoderSpec, VaeEncoderSpec)
 COMPONENTS: tuple[str, ...] = tuple(cls.name for cls in _SPECS)
-# The pipeline attribute each component stands in for.
-_ATTRIBUTE = {"clip": "text_encoder", "clip2": "text_encoder_2", "unet": "unet", "vae_decoder": "vae", "vae_encoder": "vae"}
+# The specs are the names core.COMPONENTS lists (the faces read that one without importing torch).
+assert COMPONENTS == NAMES, (COMPONENTS, NAMES)
 
 
 def specs_for(pipe) -> dict[str, ComponentSpec]:
@@ -31,7 +32,7 @@ def specs_for(pipe) -> dict[str, ComponentSpec]:
     """
     out: dict[str, ComponentSpec] = {}
     for cls in _SPECS:
-        if getattr(pipe, _ATTRIBUTE[cls.name], None) is None:
+        if getattr(pipe, PIPELINE_ATTRIBUTE[cls.name], None) is None:
             continue
         try:
             out[cls.name] = cls(pipe)

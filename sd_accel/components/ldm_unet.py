@@ -15,7 +15,7 @@ Output ``latent`` (B2, C_out, H8, W8). Profiles map to shapes by the same rules 
 :mod:`sd_accel.components.unet` (batch B or 2B for classifier-free guidance, latents 1/8 of
 the image, tokens in columns of 77).
 
-**The latent-size trick.** As for diffusers (see DESIGN.md), the trace example's latent side
+**The latent-size trick.** As for diffusers (:mod:`sd_accel.components.unet`), the trace example's latent side
 does not divide by 2^(number of upsamplers), so the graph keeps the path that resizes each
 upsampled map to its skip connection and serves any multiple of 8 px. The WebUI's UNets take
 that path only where the host makes them (A1111 swaps ``openaimodel.th`` for

@@ -35,6 +35,7 @@ from sd_accel.onnx.attention import export_attention
 from sd_accel.onnx.fingerprint import fingerprint
 from sd_accel.onnx.optimize import DATA_SUFFIX, check_model, optimize_file
 from sd_accel.onnx.weights import is_slim, write_full
+from sd_accel.paths import export_dir, export_lock, export_temp, export_temp_globs
 from sd_accel.units import format_size
 
 log = logging.getLogger("sd_accel")
@@ -159,7 +160,7 @@ def export_onnx(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     need = export_need_bytes(spec)
     _check_space(spec.name, out_dir.parent, need)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = export_temp(out_dir, "tmp", f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
     start = time.perf_counter()
     try:
         raw = tmp / "raw" / MODEL_FILE
@@ -250,7 +251,7 @@ def _meta(spec: ComponentSpec, folder: Path, opset: int, external: bool, traced_
 def _replace_dir(src: Path, dst: Path) -> None:
     """Move ``src`` to ``dst``, dropping an old ``dst``. The rename itself is atomic."""
     if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:8]}")
+        old = export_temp(dst, "old", uuid.uuid4().hex[:8])
         dst.rename(old)
         shutil.rmtree(old, ignore_errors=True)
     src.rename(dst)
@@ -275,8 +276,8 @@ class OnnxArtifact:
 
 
 def artifact_dir(spec: ComponentSpec, cache_root: Path) -> Path:
-    """``<cache_root>/onnx/<component>.<fingerprint[:16]>.s<SPEC_VERSION>``."""
-    return Path(cache_root) / "onnx" / f"{spec.name}.{fingerprint(spec.torch_module())[:16]}.s{SPEC_VERSION}"
+    """``<cache_root>/onnx/<component>.<fingerprint[:16]>.s<SPEC_VERSION>`` (:func:`sd_accel.paths.export_dir`)."""
+    return export_dir(cache_root, spec.name, fingerprint(spec.torch_module()), SPEC_VERSION)
 
 
 def ensure_onnx_artifact(spec: ComponentSpec, cache_root: Path, progress: Progress | None = None) -> OnnxArtifact:
@@ -289,7 +290,7 @@ def ensure_onnx_artifact(spec: ComponentSpec, cache_root: Path, progress: Progre
     fp = fingerprint(spec.torch_module())
     folder = artifact_dir(spec, cache_root)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder) + ".lock"):
+    with FileLock(export_lock(folder)):
         _drop_stale_temps(folder)
         problem = validate_artifact(folder) if folder.exists() else None
         if folder.exists() and problem is None:
@@ -353,7 +354,7 @@ def validate_artifact(folder: Path) -> str | None:
 
 def _drop_stale_temps(folder: Path) -> None:
     """Remove temporary folders a crashed export of this artifact left (we hold its lock)."""
-    for pattern in (f".{folder.name}.tmp-*", f".{folder.name}.old-*"):
+    for pattern in export_temp_globs(folder):
         for stale in folder.parent.glob(pattern):
             shutil.rmtree(stale, ignore_errors=True)
 

@@ -16,6 +16,7 @@ torch, counted with the reason, and the log says once what to do (``refit_engine
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -267,11 +268,7 @@ class EngineVAE(EngineModule):
         engines = self.engines.get("vae_decoder")
         sample = None
         if engines is not None and self._fresh(engines):
-            sample = self._per_item(engines, "latent", "images", z)
-            if sample is not None and not torch.isfinite(sample).all():
-                engines.stats.engine_calls -= 1
-                engines.torch_call("engine decode produced NaN/inf")
-                sample = None
+            sample = self._per_item(engines, "latent", "images", z, check=self._finite("images"))
         if sample is None:
             return self.torch_fallback().decode(z, return_dict=return_dict, generator=generator, **kwargs)
         return DecoderOutput(sample=sample) if return_dict else (sample,)
@@ -294,16 +291,25 @@ class EngineVAE(EngineModule):
             engines.torch_call(reason)
         return reason is None
 
-    def _per_item(self, engines: ComponentEngines, name_in: str, name_out: str, x: torch.Tensor):
+    def _finite(self, name_out: str) -> Callable[[dict[str, torch.Tensor]], str | None]:
+        """The decode's output check: NaN/inf (in the dtype the caller gets) sends the call to torch."""
+        dtype = self.torch_module.dtype
+
+        def check(out: dict[str, torch.Tensor]) -> str | None:
+            return None if torch.isfinite(out[name_out].to(dtype)).all() else "engine decode produced NaN/inf"
+        return check
+
+    def _per_item(self, engines: ComponentEngines, name_in: str, name_out: str, x: torch.Tensor,
+                  check: Callable[[dict[str, torch.Tensor]], str | None] | None = None):
         """With VAE slicing on, run one image at a time, as the torch VAE would."""
         dtype = self.torch_module.dtype
         if getattr(self.torch_module, "use_slicing", False) and x.shape[0] > 1:
             parts = []
             for item in x.split(1):
-                out = engines.run({name_in: item.float()}, need=(name_out,))
+                out = engines.run({name_in: item.float()}, need=(name_out,), check=check)
                 if out is None:
                     return None
                 parts.append(_out(out[name_out], x, dtype))
             return torch.cat(parts)
-        out = engines.run({name_in: x.float()}, need=(name_out,))
+        out = engines.run({name_in: x.float()}, need=(name_out,), check=check)
         return None if out is None else _out(out[name_out], x, dtype)

@@ -171,10 +171,13 @@ class ComponentEngines:
         return (self.prefer_precision is not None and precision != self.prefer_precision,
                 not handle.static, distance(handle.shapes, feed), _PRECISION_RANK.get(precision, 9))
 
-    def run(self, feed: dict[str, torch.Tensor], need: tuple[str, ...] = ()) -> dict[str, torch.Tensor] | None:
+    def run(self, feed: dict[str, torch.Tensor], need: tuple[str, ...] = (),
+            check: Callable[[dict[str, torch.Tensor]], str | None] | None = None) -> dict[str, torch.Tensor] | None:
         """Engine outputs for ``feed``, or None when the caller must run torch (already counted).
 
         ``need``: output names the caller reads; an engine without them is at fault.
+        ``check``: the caller's test of the outputs (a reason to run torch, or None); the call is
+        counted on the engine only after it passes, so a rejected output is one torch call.
         """
         live = [h for h in self.handles if h.broken is None]
         candidates = sorted((h for h in live if covers(h.shapes, feed)), key=lambda h: self._order(h, feed))
@@ -202,6 +205,11 @@ class ComponentEngines:
                 failures.append(self._failed(handle, exc, stage, skipped))
                 continue
             handle.failures = 0
+            rejected = check(out) if check is not None else None
+            if rejected is not None:
+                for name, reason in skipped:  # the fallback's warning says it
+                    self.stats.skip(self.component, name, reason, warn=False)
+                return self._fallback(rejected)
             for name, reason in skipped:  # served after all: say why the others were passed over
                 self.stats.skip(self.component, name, reason, warn=True)
             self.stats.engine(handle.name)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
+from sd_accel.core import PIPELINE_ATTRIBUTE
 from sd_accel.runtime.loader import engines_for
 from sd_accel.runtime.modules import EngineModule, EngineTextEncoder, EngineUNet, EngineVAE
 from sd_accel.runtime.selection import ComponentEngines
@@ -14,12 +15,9 @@ from sd_accel.runtime.weights import PageDropper, park, parked, release
 
 log = logging.getLogger("sd_accel")
 
-# pipeline attribute -> (engine-backed class, components it serves)
-SLOTS = {
-    "text_encoder": ("clip",),
-    "text_encoder_2": ("clip2",),
-    "unet": ("unet",),
-    "vae": ("vae_decoder", "vae_encoder"),
+# pipeline attribute -> the components it serves: text_encoder, text_encoder_2, unet, vae (both halves)
+SLOTS: dict[str, tuple[str, ...]] = {
+    attr: tuple(c for c, a in PIPELINE_ATTRIBUTE.items() if a == attr) for attr in dict.fromkeys(PIPELINE_ATTRIBUTE.values())
 }
 
 

@@ -22,19 +22,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sd_accel.config import BACKENDS, PRECISION
-from sd_accel.core import Busy, InvalidValue
+from sd_accel.config import BACKENDS, ENGINE_PRECISIONS, PRECISION
+from sd_accel.core import COMPONENTS, DEFAULT_COMPONENTS, Busy, InvalidValue
 from sd_accel.generate import GenerationParams
 from sd_accel.profiles import PRESETS, Profile, format_range, parse_range
 
 log = logging.getLogger("sd_accel")
 
 DEFAULT_MODEL = "builtin:tiny-sd15"
-COMPONENT_CHOICES = ("clip", "clip2", "unet", "vae_decoder", "vae_encoder")
-# vae_encoder only serves img2img; leaving it out by default keeps the first build shorter.
-DEFAULT_COMPONENTS = ("clip", "clip2", "unet", "vae_decoder")
+COMPONENT_CHOICES = COMPONENTS  # the one vocabulary (core.py), with its defaults
 # what build_engines takes; a backend that cannot build one says so in the panel's status line
-BUILD_PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8", "int8-dynamic")
+BUILD_PRECISIONS = ("auto", *ENGINE_PRECISIONS)
 # The Generate tab's engine choices -> AccelConfig.engines: build on first use, cached only, off.
 ENGINE_MODES = {"auto": "auto", "cached": True, "off": False}
 ENGINE_HEADERS = ["component", "profile", "precision", "backend", "size", "rel_l2", "status", "last used",

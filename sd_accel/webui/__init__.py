@@ -6,7 +6,9 @@ the stand-in WebUI in ``tests/webui_stub``:
 
 - :mod:`.host`: the one place that imports the WebUI's modules (``modules.shared`` ...);
 - :mod:`.identity`: which weights a job needs (checkpoint hash plus merged LoRAs);
-- :mod:`.export`: build engines from the loaded UNet, with the WebUI's hijacks undone meanwhile;
+- :mod:`.export`: build engines from the loaded model's modules (jobs for :func:`sd_accel.build.run_jobs`);
+- :mod:`.tracing`: the WebUI's run-time patches of a module undone for a trace (an export, a
+  refit's validation) and restored after;
 - :mod:`.runner`: per-call engine choice with batch chunks and the PyTorch fallback;
 - :mod:`.controller`: settings, cache, engines per checkpoint, per-job reports;
 - :mod:`.a1111` (SD-UNet option) and :mod:`.forge` (UNet patcher): the two ways in;

@@ -1,17 +1,7 @@
 """Build engines from the UNet the WebUI has loaded.
 
-The WebUI patches its UNet at run time; each patch is undone for the trace and restored after,
-whatever happens in between:
-
-- ``sd_unet.current_unet`` (A1111 sends every UNet call to the active SD-UNet, which may be
-  ours) is set to None;
-- cross-attention optimizations (``--xformers``, SDP, Doggettx ..., set by
-  ``sd_hijack.model_hijack.apply_optimizations``) are switched to "None", plain matmul and
-  softmax attention, and re-applied from the settings after;
-- ``--medvram`` / ``--lowvram`` forward pre-hooks (``modules.lowvram``), which move blocks to
-  the GPU when called, are lifted, so the trace sees the module on one device (the CPU, fp32);
-- gradient checkpointing flags (``use_checkpoint`` / ``checkpoint``) are switched off;
-- every weight returns to its own device and dtype (lowvram keeps blocks on several devices).
+The WebUI patches its UNet at run time; each patch is undone for the trace and restored after
+(:mod:`sd_accel.webui.tracing`).
 
 Builds hold the WebUI's generation lock (``call_queue.queue_lock``): a job never samples with
 a UNet that is being moved for export.
@@ -23,19 +13,23 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from sd_accel.build import BuildEvent, make_tick
+from sd_accel.build import BuildEvent, EngineJob
 from sd_accel.components.ldm_unet import LdmUNetSpec
 from sd_accel.core import InvalidValue
 from sd_accel.profiles import Profile
 from sd_accel.webui import host
 from sd_accel.webui.identity import LoraSet, checkpoint_hash, describe, forge_loras, merged_loras, weights_id
+from sd_accel.webui.tracing import module_context, no_sd_unet, plain_webui_attention
 
 log = logging.getLogger("sd_accel")
+
+# Precisions the WebUI does not build: static int8 calibrates on a diffusers pipeline's prompt runs.
+NOT_IN_WEBUI = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -83,193 +77,6 @@ def export_source(model=None) -> ExportSource:
                         str(getattr(info, "model_name", "") or ""), family_of(model, spec))
 
 
-# --------------------------------------------------------------------------- undoing the hijacks
-
-
-@contextlib.contextmanager
-def no_sd_unet() -> Iterator[None]:
-    """``sd_unet.current_unet`` None for the block (A1111's UNet forward dispatches to it)."""
-    try:
-        sd_unet = host.module("sd_unet")
-    except ImportError:
-        yield
-        return
-    saved = getattr(sd_unet, "current_unet", None)
-    sd_unet.current_unet = None
-    try:
-        yield
-    finally:
-        sd_unet.current_unet = saved
-
-
-@contextlib.contextmanager
-def plain_webui_attention() -> Iterator[None]:
-    """The WebUI's attention optimization off ("None") for the block, re-applied after."""
-    try:
-        sd_hijack = host.module("sd_hijack")
-        hijack = sd_hijack.model_hijack
-    except (ImportError, AttributeError):  # Forge 2 picks attention at start-up; nothing to switch
-        yield
-        return
-    before = getattr(getattr(sd_hijack, "current_optimizer", None), "name", None)
-    try:
-        hijack.apply_optimizations("None")
-    except Exception as exc:  # a WebUI whose hijack works otherwise (Forge 2): trace as it is
-        log.warning("could not switch the attention optimization off for the export: %s", exc)
-        yield
-        return
-    try:
-        yield
-    finally:
-        hijack.apply_optimizations()  # no option: what the settings and flags choose, as at start
-        after = getattr(getattr(sd_hijack, "current_optimizer", None), "name", None)
-        if after != before:
-            log.warning("attention optimization was %s before the export and is %s after", before, after)
-
-
-def plain_heads_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False):
-    """Multi-head attention as plain ops: MatMul(Q * scale, K^T) -> Softmax -> MatMul on 4-D
-    tensors, the form every backend fuses. The signature of Forge's attention functions
-    (ldm_patched's ``optimized_attention``, Forge 2's ``attention_function``)."""
-    if skip_reshape:  # (B, heads, N, D) already
-        b, _, _, dim_head = q.shape
-    else:
-        b, _, inner = q.shape
-        dim_head = inner // heads
-        q, k, v = (t.reshape(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
-    scores = torch.matmul(q * dim_head**-0.5, k.transpose(-1, -2))
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, -torch.finfo(scores.dtype).max)
-        else:
-            while mask.dim() < 4:
-                mask = mask.unsqueeze(1)
-            scores = scores + mask
-    out = torch.matmul(scores.softmax(dim=-1), v)
-    return out.transpose(1, 2).reshape(b, -1, heads * dim_head)
-
-
-def plain_spatial_attention(q, k, v):
-    """The VAE's single-head attention over pixels (q, k, v: B, C, H, W) as plain ops."""
-    b, c, h, w = q.shape
-    q, k, v = (t.reshape(b, 1, c, h * w).transpose(-1, -2) for t in (q, k, v))
-    scores = torch.matmul(q * c**-0.5, k.transpose(-1, -2))
-    out = torch.matmul(scores.softmax(dim=-1), v)
-    return out.transpose(-1, -2).reshape(b, c, h, w)
-
-
-# Forge picks its attention at start-up and calls it through module globals; on a CPU without
-# --attention-pytorch that is the sub-quadratic one, whose ``baddbmm(torch.empty(1, 1, 1), ...,
-# beta=0)`` exports as ``empty * 0 + scores``: the uninitialised constant (NaN or inf as often as
-# not) poisons the whole graph. That was Forge 2024's "latent has NaN/inf" validation failure.
-_FORGE_ATTENTION = (
-    ("ldm_patched.ldm.modules.attention", "optimized_attention", plain_heads_attention),
-    ("ldm_patched.ldm.modules.attention", "optimized_attention_masked", plain_heads_attention),
-    ("backend.nn.unet", "attention_function", plain_heads_attention),
-    ("backend.nn.vae", "attention_function_single_head_spatial", plain_spatial_attention),
-)
-
-
-@contextlib.contextmanager
-def plain_forge_attention(module: torch.nn.Module) -> Iterator[None]:
-    """Forge's attention functions (module globals, and the ``optimized_attention`` each Forge 1
-    VAE ``AttnBlock`` keeps) replaced by plain ones for the block; Forge's own after."""
-    import sys
-
-    saved: list[tuple[object, str, object]] = []  # (module or nn.Module, attribute, Forge's value)
-    for module_name, attr, plain in _FORGE_ATTENTION:
-        owner = sys.modules.get(module_name)
-        if owner is not None and callable(getattr(owner, attr, None)):
-            saved.append((owner, attr, getattr(owner, attr)))
-            setattr(owner, attr, plain)
-    for sub in module.modules():
-        if type(sub).__name__ == "AttnBlock" and callable(sub.__dict__.get("optimized_attention")):
-            saved.append((sub, "optimized_attention", sub.__dict__["optimized_attention"]))
-            sub.__dict__["optimized_attention"] = plain_spatial_attention
-    try:
-        yield
-    finally:
-        for owner, attr, old in reversed(saved):
-            if isinstance(owner, torch.nn.Module):
-                owner.__dict__[attr] = old
-            else:
-                setattr(owner, attr, old)
-
-
-@contextlib.contextmanager
-def no_forward_hooks(module: torch.nn.Module) -> Iterator[None]:
-    """Forward pre-hooks of ``module`` and its children lifted for the block (lowvram's
-    ``send_me_to_gpu`` would move blocks to the GPU in the middle of a CPU trace)."""
-    saved = {}
-    for sub in module.modules():
-        if sub._forward_pre_hooks:
-            saved[sub] = dict(sub._forward_pre_hooks)
-            sub._forward_pre_hooks.clear()
-    try:
-        yield
-    finally:
-        for sub, hooks in saved.items():
-            sub._forward_pre_hooks.update(hooks)
-
-
-@contextlib.contextmanager
-def no_checkpointing(module: torch.nn.Module) -> Iterator[None]:
-    """Gradient checkpointing flags off (LDM's ``use_checkpoint``, ``checkpoint``) for the block."""
-    flipped = []
-    for sub in module.modules():
-        for attr in ("use_checkpoint", "checkpoint"):
-            if getattr(sub, attr, None) is True:
-                setattr(sub, attr, False)
-                flipped.append((sub, attr))
-    try:
-        yield
-    finally:
-        for sub, attr in flipped:
-            setattr(sub, attr, True)
-
-
-@contextlib.contextmanager
-def preserve_layout(module: torch.nn.Module) -> Iterator[None]:
-    """Every parameter and buffer back on its own device and dtype after the block (the
-    validation moves the whole module; lowvram spreads it over devices)."""
-    from sd_accel.onnx.export import move_tensor  # here: importing onnx must not be needed to build the tab
-
-    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    before = {name: (t.device, t.dtype) for name, t in tensors.items()}
-    try:
-        yield
-    finally:
-        for name, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items():
-            device, dtype = before.get(name, (t.device, t.dtype))
-            if t.device != device or t.dtype != dtype:
-                move_tensor(t, device, dtype)
-
-
-@contextlib.contextmanager
-def module_context(module: torch.nn.Module) -> Iterator[None]:
-    """What one exported module needs undone: its own forward (not sd-accel's stand-in), plain
-    Forge attention, no offload hooks, no checkpointing, and its layout restored after."""
-    from sd_accel.webui.stand_ins import own_forward
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(preserve_layout(module))
-        stack.enter_context(own_forward(module))
-        stack.enter_context(plain_forge_attention(module))
-        stack.enter_context(no_forward_hooks(module))
-        stack.enter_context(no_checkpointing(module))
-        yield
-
-
-@contextlib.contextmanager
-def export_context(unet: torch.nn.Module) -> Iterator[None]:
-    """All of the above for the UNet, in the order that undoes them cleanly."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(no_sd_unet())
-        stack.enter_context(plain_webui_attention())
-        stack.enter_context(module_context(unet))
-        yield
-
-
 # --------------------------------------------------------------------------- the build
 
 
@@ -290,8 +97,10 @@ def _latent_multiple(artifact_folder, spec: LdmUNetSpec) -> int:
 
 
 @dataclass
-class BuildJob:
-    """One component to build: its spec, the weights id its engines are keyed by, the module."""
+class LoadedComponent:
+    """One of the loaded model's components to build: its spec, the weights id its engines are
+    keyed by, the module (whose patches are undone for the export), and the facts its records
+    keep. Each becomes one :class:`~sd_accel.build.EngineJob` per profile."""
 
     component: str  # user-facing: unet, vae_decoder, vae_encoder, clip
     spec: object
@@ -300,7 +109,7 @@ class BuildJob:
     facts: dict
 
 
-def build_jobs(source: ExportSource, components: tuple[str, ...], model, ctl) -> tuple[list[BuildJob], list[str]]:
+def loaded_components(source: ExportSource, components: tuple[str, ...], model, ctl) -> tuple[list[LoadedComponent], list[str]]:
     """(what to build, what cannot be built here and why) for the user-facing ``components``."""
     from sd_accel.components.ldm_clip import LdmClipSpec
     from sd_accel.components.ldm_vae import LdmVaeDecoderSpec, LdmVaeEncoderSpec
@@ -311,7 +120,7 @@ def build_jobs(source: ExportSource, components: tuple[str, ...], model, ctl) ->
     for name in components:
         component = COMPONENTS[name]
         if name == "unet":
-            jobs.append(BuildJob(name, LdmUNetSpec(source.unet), source.weights_id, source.unet,
+            jobs.append(LoadedComponent(name, LdmUNetSpec(source.unet), source.weights_id, source.unet,
                             {"loras": [list(e) for e in source.loras]}))
             continue
         module = found.get(component)
@@ -327,11 +136,11 @@ def build_jobs(source: ExportSource, components: tuple[str, ...], model, ctl) ->
                 wid = ctl.weights_for(component, model, for_call=False)
             finally:
                 ctl.job.te_loras = saved
-            jobs.append(BuildJob(name, LdmClipSpec(module), wid, module,
+            jobs.append(LoadedComponent(name, LdmClipSpec(module), wid, module,
                             {"loras": [list(e) for e in te_loras], "lora_text": describe(te_loras)}))
         else:
             spec = (LdmVaeDecoderSpec if name == "vae_decoder" else LdmVaeEncoderSpec)(module)
-            jobs.append(BuildJob(name, spec, ctl.weights_for(component, model, for_call=False), module,
+            jobs.append(LoadedComponent(name, spec, ctl.weights_for(component, model, for_call=False), module,
                             {"vae": host.loaded_vae_hash()}))
     return jobs, skipped
 
@@ -356,51 +165,43 @@ def build_loaded(
     is set, :class:`EngineError` when a build or its validation fails. An ONNX export that no
     engine ended up using (a failed build) is removed again.
     """
+    from sd_accel.backends.registry import check_precision
+    from sd_accel.build import run_jobs
     from sd_accel.webui.controller import controller, webui_backend
 
     be = webui_backend(backend_name, cache_root=cache.root)
     info = be.info()
     precision = default_build_precision(be) if precision in (None, "", "auto") else precision
-    if precision == "int8":
+    if precision in NOT_IN_WEBUI:
         raise InvalidValue("precision int8 (static) calibrates on a diffusers pipeline's prompt runs, which the "
                            "WebUI's models are not; build fp32/fp16/bf16 here, or int8-dynamic on ONNX Runtime")
-    if precision not in be.precisions():
-        raise InvalidValue(f"precision={precision!r}: the {be.name} backend builds {', '.join(be.precisions())}")
-    report = progress or (lambda ev: None)
-    records = []
+    check_precision(be, precision)  # here too, not only in the builder: refused before the model lock
     with host.queue_lock():
         model = model if model is not None else host.sd_model()
         source = export_source(model)
-        jobs, cannot = build_jobs(source, tuple(components), model, controller())
+        components_to_build, cannot = loaded_components(source, tuple(components), model, controller())
         if skipped is not None:
             skipped.extend(cannot)
-        total = len(jobs) * len(profiles)
-        log.info("building %d engine(s) (%s) for %s on %s %s, %s", total, ", ".join(j.component for j in jobs),
-                 source.describe(), be.name, info.version, precision)
+        jobs = [engine_job(job, source, profile, precision) for job in components_to_build for profile in profiles]
+        modules = {id(job.spec): job.module for job in components_to_build}
+        log.info("building %d engine(s) (%s) for %s on %s %s, %s", len(jobs),
+                 ", ".join(j.component for j in components_to_build), source.describe(), be.name, info.version,
+                 precision)
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(no_sd_unet())
                 stack.enter_context(plain_webui_attention())
-                index = 0
-                for job in jobs:
-                    job_precision = precision
-                    if job.component.startswith("vae") and precision in ("fp16", "bf16") and host.cmd_flag("no_half_vae"):
-                        job_precision = "fp32"  # --no-half-vae: the VAE computes in fp32, its engines too
-                    with module_context(job.module):
-                        for profile in profiles:
-                            tick = make_tick(report, cancel, index, total, job.spec.name, profile.tag)
-                            records.append(_build_one(cache, be, info, job, source, profile, job_precision, tick,
-                                                      validate))
-                            index += 1
+                return run_jobs(jobs, cache, be, progress=progress or False, cancel=cancel, validate=validate,
+                                context=lambda job: module_context(modules[id(job.spec)]))
         finally:
             cache.drop_unused_intermediates()  # the export of a build that failed
-    return records
 
 
-def _build_one(cache, be, info, job: BuildJob, source: ExportSource, profile: Profile, precision: str,
-               tick, validate_it: bool):
-    """:func:`sd_accel.build.build_one`, keyed by the weights id, with the WebUI facts kept."""
-    from sd_accel.build import build_one
+def engine_job(job: LoadedComponent, source: ExportSource, profile: Profile, precision: str) -> EngineJob:
+    """The builder's job for one component and profile: keyed by the weights id, with the WebUI
+    facts kept in the record; VAE engines in fp32 under ``--no-half-vae``."""
+    if job.component.startswith("vae") and precision in ("fp16", "bf16") and host.cmd_flag("no_half_vae"):
+        precision = "fp32"  # --no-half-vae: the VAE computes in fp32, its engines too
 
     def webui_facts(artifact) -> dict:
         facts = {
@@ -412,5 +213,4 @@ def _build_one(cache, be, info, job: BuildJob, source: ExportSource, profile: Pr
             facts["latent_multiple"] = _latent_multiple(artifact.folder, job.spec)
         return {"webui": facts}
 
-    return build_one(cache, be, info, job.spec, profile, precision, tick, validate_it,
-                     model_id=job.weights_id, record_extra=webui_facts)
+    return EngineJob(job.spec, profile, precision, model_id=job.weights_id, record_extra=webui_facts)

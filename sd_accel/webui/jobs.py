@@ -12,12 +12,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from sd_accel.core import DEFAULT_COMPONENTS as SHARED_DEFAULTS
 from sd_accel.core import InvalidValue, SdAccelError
 from sd_accel.profiles import Profile
 from sd_accel.profiles import preset as preset_profile
 from sd_accel.webui import host
 from sd_accel.webui.controller import Controller, controller
 from sd_accel.webui.identity import job_loras
+from sd_accel.webui.stand_ins import COMPONENTS  # the user-facing names: the core vocabulary's, less clip2
 
 log = logging.getLogger("sd_accel")
 
@@ -176,13 +178,13 @@ def build_for_checkpoint(checkpoint: str | None = None, preset: str | None = Non
         ctl.engines_changed()
 
 
-DEFAULT_COMPONENTS = ("unet", "vae_decoder", "clip")
+# The shared defaults (core.DEFAULT_COMPONENTS) the WebUI's model has, in the WebUI's build order
+# (unet, vae_decoder, clip).
+DEFAULT_COMPONENTS = tuple(c for c in COMPONENTS if c in SHARED_DEFAULTS)
 
 
 def components_of(components) -> tuple[str, ...]:
     """User-facing component names checked (``unet``, ``vae_decoder``, ``vae_encoder``, ``clip``)."""
-    from sd_accel.webui.stand_ins import COMPONENTS
-
     wanted = tuple(DEFAULT_COMPONENTS if components is None else components)
     unknown = [c for c in wanted if c not in COMPONENTS]
     if unknown or not wanted:

@@ -110,7 +110,7 @@ class LoraRefits:
 def refit_context(unet: torch.nn.Module) -> Iterator[None]:
     """What the validation of a refit needs inside a job: the UNet's own forward (no SD-UNet
     dispatch, plain attention, no offload hooks: as for an export), no autocast, no autograd."""
-    from sd_accel.webui.export import export_context
+    from sd_accel.webui.tracing import export_context
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(export_context(unet))

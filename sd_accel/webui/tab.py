@@ -175,48 +175,55 @@ def _backend_lines() -> list[str]:
     return [f"Engines run on **{info.name} {info.version}** ({info.arch}); builds default to {default}."]
 
 
-def _cpu_backends_line() -> str:
-    """What the CPU backends give, and which are installed."""
-    from sd_accel.backends.registry import describe
+def _install_hint(packages: tuple[str, ...]) -> str:
+    return (f"restart the WebUI (the extension's install.py installs it) or run "
+            f"`\"{sys.executable}\" -m pip install {' '.join(packages)}`")
 
-    rows = {r["name"]: r for r in describe()}
+
+def _cpu_backends_line() -> str:
+    """What the CPU backends give, and which are installed (each backend's own words: its table
+    entry and ``summary``; the WebUI does not build static int8, so it is not listed)."""
+    from sd_accel.backends.registry import AUTO_ORDER, create, entry
+    from sd_accel.webui.export import NOT_IN_WEBUI
+
     parts = []
-    ov = rows.get("openvino", {})
-    if ov.get("usable"):
-        bf16 = "bf16" in (ov.get("precisions") or [])
-        parts.append("**OpenVINO** (the fastest here: " + ("bf16 on this CPU's AMX / AVX512-BF16" if bf16 else
-                     "fp32; bf16 needs a CPU with AVX512-BF16 or AMX") + ")")
-    else:
-        parts.append(f"OpenVINO, the fastest CPU backend (bf16 on CPUs with AMX / AVX512-BF16), is not installed: "
-                     f"restart the WebUI (the extension's install.py installs it) or run "
-                     f"`\"{sys.executable}\" -m pip install openvino`")
-    ort = rows.get("onnxruntime", {})
-    parts.append("**ONNX Runtime** (fp32, int8-dynamic)" if ort.get("usable") else
-                 "ONNX Runtime is not installed (`pip install onnxruntime`)")
-    return "This WebUI computes on the CPU; its engine backends: " + "; ".join(parts) + ". TensorRT needs an NVIDIA GPU."
+    for name in AUTO_ORDER["cpu"]:
+        e, backend = entry(name), create(name)
+        if backend.info().usable:
+            summary = backend.summary() or ", ".join(p for p in backend.precisions() if p not in NOT_IN_WEBUI)
+            parts.append(f"**{e.display}** ({summary})")
+        else:
+            parts.append(f"{e.display}{', ' + e.pitch + ',' if e.pitch else ''} is not installed: "
+                         + _install_hint(backend.install_packages()))
+    gpu = entry(AUTO_ORDER["cuda"][0])
+    return "This WebUI computes on the CPU; its engine backends: " + "; ".join(parts) + f". {gpu.display} runs on {gpu.runs_on}."
 
 
 def _advice_lines() -> list[str]:
     """What would make engines faster here, and only what can work here (issue: TensorRT advice
-    on a CPU build of torch). CPU: the CPU backends. An NVIDIA GPU: the one TensorRT package for
-    torch's CUDA, when TensorRT is not usable."""
+    on a CPU build of torch). CPU: the CPU backends. An NVIDIA GPU: the GPU backend's package
+    for torch's CUDA, when it is not usable."""
     import torch
+
+    from sd_accel.backends.registry import AUTO_ORDER, create, entry
 
     if host.runs_on_cpu():
         return [_cpu_backends_line()]
+    e = entry(AUTO_ORDER["cuda"][0])
     try:
-        from sd_accel.backends.tensorrt.builder import trt_status
-
-        usable, version, why = trt_status()
-    except Exception as exc:  # a broken TensorRT install must not hide the tab
-        usable, version, why = False, "", f"{type(exc).__name__}: {exc}"
+        backend = create(e.name)
+        info = backend.info()
+        usable, version, why = info.usable, info.version, info.why_not
+        packages = backend.install_packages()
+    except Exception as exc:  # a broken install must not hide the tab
+        usable, version, why, packages = False, "", f"{type(exc).__name__}: {exc}", ()
     if usable:
-        return [f"TensorRT {version} is usable: the `auto` backend uses it."]
-    cuda = str(torch.version.cuda or "").split(".")[0]
+        return [f"{e.display} {version} is usable: the `auto` backend uses it."]
     reason = why.split(";")[0].split(": `pip")[0]
-    return [f"TensorRT is not usable ({reason}). For torch's CUDA {torch.version.cuda}, install `tensorrt-cu{cuda}`: "
-            f"restart the WebUI (the extension's install.py installs it) or run "
-            f"`\"{sys.executable}\" -m pip install tensorrt-cu{cuda} polygraphy`, then restart."]
+    if not packages:
+        return [f"{e.display} is not usable ({reason})."]
+    return [f"{e.display} is not usable ({reason}). For torch's CUDA {torch.version.cuda}, install `{packages[0]}`: "
+            + _install_hint(packages) + ", then restart."]
 
 
 def _model_lines() -> list[str]:

@@ -1,8 +1,8 @@
 """Build an ONNX Runtime engine: an optimized model saved for one profile.
 
 Static profiles pin every symbolic dimension (``add_free_dimension_override_by_name``), so ORT
-plans for fixed shapes, which on CPU is worth a lot (DESIGN.md). The optimized model bakes in
-CPU-specific layouts, so engines are keyed by CPU class.
+plans for fixed shapes, which on CPU is worth a lot (up to 3.5x, the OpenVINO figure). The
+optimized model bakes in CPU-specific layouts, so engines are keyed by CPU class.
 
 INT8 (``int8``: static, calibrated; ``int8-dynamic``: no calibration) quantizes the ONNX file
 first (``quantize.py`` beside this file), then optimizes the quantized model the same way as fp32.
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sd_accel.backends.base import BackendInfo
+from sd_accel.backends.base import Backend, BackendInfo
 from sd_accel.core import EngineError, Progress, ShapeRanges
 from sd_accel.device import arch_for
 from sd_accel.onnx.symbols import symbol_values
@@ -52,7 +52,7 @@ def session_options(threads: int | None = None, optimize: bool = True):
     return opts
 
 
-class OnnxRuntimeBackend:
+class OnnxRuntimeBackend(Backend):
     """ONNX Runtime on the CPU provider (the CUDA provider when present and asked for)."""
 
     name = "onnxruntime"
@@ -69,8 +69,8 @@ class OnnxRuntimeBackend:
         dev = "cuda" if _providers(self.device)[0] == "CUDAExecutionProvider" else "cpu"
         return BackendInfo(self.name, ort.__version__, arch_for(dev), True)
 
-    def precisions(self) -> tuple[str, ...]:
-        return ("fp32", "int8", "int8-dynamic")
+    def install_packages(self) -> tuple[str, ...]:
+        return ("onnxruntime",)
 
     def default_precision(self) -> str:
         return "fp32"
@@ -83,9 +83,11 @@ class OnnxRuntimeBackend:
         out_dir: Path,
         progress: Progress,
         calibration: CalibrationSet | None = None,
+        int8_scope: str | None = None,
     ) -> list[str]:
         """Optimize ``onnx_path`` for ``shapes`` into ``out_dir``; INT8 precisions quantize first
-        (``calibration``: the feeds static ``int8`` needs; ignored otherwise)."""
+        (``calibration``: the feeds static ``int8`` needs; ignored otherwise). One int8 scope:
+        ``int8_scope`` is ignored."""
         if precision not in self.precisions():
             raise EngineError(f"onnxruntime backend builds {self.precisions()}, not {precision!r}")
         if precision == "fp32":

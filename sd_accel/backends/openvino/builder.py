@@ -1,8 +1,8 @@
 """Build an OpenVINO engine: ONNX -> OpenVINO model with the profile's shapes -> compiled for
 this CPU at the requested inference precision.
 
-Static profiles compile for one fixed shape (worth up to 3.5x over dynamic ones on CPU,
-DESIGN.md); dynamic profiles compile with bounded dimensions. ``bf16`` sets OpenVINO's
+Static profiles compile for one fixed shape (worth up to 3.5x over dynamic ones on
+CPU); dynamic profiles compile with bounded dimensions. ``bf16`` sets OpenVINO's
 ``INFERENCE_PRECISION_HINT``: weights and activations run in bf16 on CPUs with AVX512-BF16 or
 AMX, with fp32 accumulation. The compiled model is tied to the CPU class and the OpenVINO version,
 which are both part of the engine key.
@@ -36,7 +36,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sd_accel.backends.base import BackendInfo
+from sd_accel.backends.base import Backend, BackendInfo
 from sd_accel.backends.openvino.quantize import SCOPES
 from sd_accel.backends.openvino.weight_map import MAP_FILE, patch, write_map
 from sd_accel.core import EngineError, Progress, ShapeRanges
@@ -52,6 +52,13 @@ META_FILE = "engine.json"  # the compile options: import_model must get them aga
 _GRAPH_FILE = "engine.xml"  # written with the weights, dropped once compiled (the blob replaces it)
 _HINT = {"fp32": "f32", "bf16": "bf16"}
 INSTALL_HINT = "install it with `pip install openvino` (or `pip install 'sd-accel[openvino]'`)"
+# What bf16 and int8 need where this machine lacks it: said once, here (Backend.missing), for the
+# registry's precision check, this builder's refusal and the faces' status lines.
+BF16_NEEDS = "bf16 needs a CPU with AVX512-BF16 or AMX"
+NEEDS = {
+    "bf16": f"{BF16_NEEDS} (`sd-accel doctor` shows the CPU class); build fp32, or int8 with NNCF",
+    "int8": "OpenVINO int8 needs NNCF, which is not installed: `pip install nncf` (or `pip install 'sd-accel[openvino]'`)",
+}
 
 
 def has_bf16() -> bool:
@@ -89,12 +96,13 @@ def _partial_shapes(shapes: ShapeRanges):
     return out
 
 
-class OpenVinoBackend:
+class OpenVinoBackend(Backend):
     """OpenVINO on the CPU plugin."""
 
     name = "openvino"
     torch_device = "cpu"
     int8_scopes = SCOPES  # widest first: the build falls back to the next when validation fails
+    patches_weights = True  # engine.bin holds the MatMul / Conv weights the compiled blob reads
 
     def info(self) -> BackendInfo:
         try:
@@ -103,9 +111,18 @@ class OpenVinoBackend:
             return BackendInfo(self.name, "", cpu_class(), False, f"openvino is not installed ({exc}); {INSTALL_HINT}")
         return BackendInfo(self.name, ov.__version__.split("-")[0], cpu_class(), True)
 
-    def precisions(self) -> tuple[str, ...]:
-        floats = ("fp32", "bf16") if has_bf16() else ("fp32",)
-        return floats + (("int8",) if _has_nncf() else ())
+    def missing(self, precision: str) -> str | None:
+        if precision == "bf16" and not has_bf16():
+            return NEEDS["bf16"]
+        if precision == "int8" and not _has_nncf():
+            return NEEDS["int8"]
+        return None
+
+    def summary(self) -> str:
+        return "the fastest here: " + ("bf16 on this CPU's AMX / AVX512-BF16" if has_bf16() else f"fp32; {BF16_NEEDS}")
+
+    def install_packages(self) -> tuple[str, ...]:
+        return ("openvino",)
 
     def default_precision(self) -> str:
         """bf16 where the CPU runs it natively, else fp32."""
@@ -119,16 +136,16 @@ class OpenVinoBackend:
         out_dir: Path,
         progress: Progress,
         calibration: CalibrationSet | None = None,
-        int8_scope: str = "safe",
+        int8_scope: str | None = None,
     ) -> list[str]:
         """Convert, reshape, (quantize,) compile and export; returns the engine file names in
         ``out_dir``. ``calibration``: the feeds ``int8`` needs; ``int8_scope``: which convolutions
-        int8 keeps in float (``quantize.SCOPES``); both ignored otherwise."""
+        int8 keeps in float (``quantize.SCOPES``; None: the safest); both ignored otherwise."""
         if precision not in self.precisions():
-            why = "" if has_bf16() else " (bf16 needs a CPU with AVX512-BF16 or AMX)"
-            if precision == "int8" and not _has_nncf():
-                why = " (int8 needs NNCF: pip install nncf)"
-            raise EngineError(f"openvino backend builds {self.precisions()} here, not {precision!r}{why}")
+            why = self.missing(precision)
+            raise EngineError(f"openvino backend builds {self.precisions()} here, not {precision!r}"
+                              + (f" ({why})" if why else ""))
+        int8_scope = int8_scope or SCOPES[-1]
         try:
             import openvino as ov
         except ImportError as exc:

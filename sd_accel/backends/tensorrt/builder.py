@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from sd_accel.backends.base import BackendInfo
+from sd_accel.backends.base import Backend, BackendInfo
 from sd_accel.backends.tensorrt.refit import META_FILE, engine_meta, graph_facts, refit_plan
 from sd_accel.backends.tensorrt.versions import TrtFeatures, features, onnx_precision
 from sd_accel.core import CalibrationSet, EngineError, Progress, ShapeRanges
@@ -176,9 +176,10 @@ def progress_monitor(trt, progress: Progress):
 # ---- the backend --------------------------------------------------------------------------------
 
 
-class TensorRTBackend:
+class TensorRTBackend(Backend):
     name = "tensorrt"
     torch_device = "cuda"
+    patches_weights = True  # trt.Refitter, for engines built refittable
 
     def __init__(self, cache_root: Path | None = None, workspace_bytes: int = DEFAULT_WORKSPACE) -> None:
         self.cache_root = cache_root
@@ -190,17 +191,22 @@ class TensorRTBackend:
         ok, version, why = trt_status()
         return BackendInfo(self.name, version, gpu_arch() if ok else "", ok, why)
 
-    def precisions(self) -> tuple[str, ...]:
-        return ("fp16", "fp32")
-
     def default_precision(self) -> str:
         return "fp16"
 
+    def install_packages(self) -> tuple[str, ...]:
+        """The TensorRT build for torch's CUDA (the plain ``tensorrt`` package may pick another)."""
+        import torch
+
+        cuda = str(torch.version.cuda or "").split(".")[0]
+        return (f"tensorrt-cu{cuda}" if cuda else "tensorrt", "polygraphy")
+
     def build(
         self, onnx_path: Path, shapes: ShapeRanges, precision: str, out_dir: Path, progress: Progress,
-        calibration: CalibrationSet | None = None,
+        calibration: CalibrationSet | None = None, int8_scope: str | None = None,
     ) -> list[str]:
-        """Build a serialized engine into ``out_dir``; ``calibration`` is unused (no INT8 here)."""
+        """Build a serialized engine into ``out_dir``; ``calibration`` and ``int8_scope`` are unused
+        (no INT8 here)."""
         ok, version, why = trt_status()
         if not ok:
             raise EngineError(why)
