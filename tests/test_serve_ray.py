@@ -275,8 +275,9 @@ def test_the_build_worker_is_gone_once_the_engines_are_built(server):
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
 def test_shutdown_answers_every_request_and_leaves_no_process(how):
     """``sd-accel serve`` stopped with requests in flight, by SIGTERM (a process manager) or by
-    Ctrl-C (SIGINT to the terminal's whole process group): every request gets an answer (here
-    503: they run past the grace period), it exits, and no process of its own is left."""
+    Ctrl-C (SIGINT to the terminal's whole process group): every request gets an answer (after
+    SIGTERM the drain's 503: they run past the grace period), it exits, and no process of its own
+    is left."""
     import signal
     import subprocess
     import sys
@@ -321,10 +322,15 @@ def test_shutdown_answers_every_request_and_leaves_no_process(how):
         answers = asyncio.run(in_flight())
         assert all(isinstance(a, httpx.Response) for a in answers), answers  # no dropped connection
         assert {a.status_code for a in answers} <= {200, 503}
-        assert any("shut down before this request finished" in a.text for a in answers)
+        said = [(a.status_code, a.text[:300]) for a in answers]
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out[-3000:]
-        assert "answered 503" in out
+        if how == "SIGTERM":  # only the service process is signalled: its drain cuts them short
+            assert any("shut down before this request finished" in a.text for a in answers), said
+            assert "answered 503" in out
+        # Ctrl-C reaches Ray's own processes in the group too: in a full suite run a replica went
+        # down with it and its requests were answered by the proxy, not by the drain; what must
+        # hold either way is above and below (an answer each, exit 0, nothing left running).
         _, alive = psutil.wait_procs(ours, timeout=15)
         alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
