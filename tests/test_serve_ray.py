@@ -325,12 +325,9 @@ def test_shutdown_answers_every_request_and_leaves_no_process(how):
         said = [(a.status_code, a.text[:300]) for a in answers]
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out[-3000:]
-        if True:  # only the service process is signalled: its drain cuts them short
-            assert any("shut down before this request finished" in a.text for a in answers), said
-            assert "answered 503" in out
-        # Ctrl-C reaches Ray's own processes in the group too: in a full suite run a replica went
-        # down with it and its requests were answered by the proxy, not by the drain; what must
-        # hold either way is above and below (an answer each, exit 0, nothing left running).
+        # only the service process is signalled: its drain cuts them short
+        assert any("shut down before this request finished" in a.text for a in answers), said
+        assert "answered 503" in out
         _, alive = psutil.wait_procs(ours, timeout=15)
         alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
