@@ -28,11 +28,13 @@ VERSIONS=(
 
 ensure_venv() {  # version venv requirements...
   local version=$1 venv=$2; shift 2
+  if [ -x "$venv/bin/python" ]; then
+    # The venvs are shared by checkouts: point this one at THIS checkout's project venv before
+    # trying it (a venv made from another clone, since removed, left torch ... unimportable).
+    echo "$MAIN_SITE" > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_main.pth"
+  fi
   if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import gradio, sys; sys.exit(gradio.__version__ != '$version')" 2>/dev/null; then
     echo "gradio $version: reusing $venv"
-    # The venvs are shared by checkouts: point this one at THIS checkout's project venv (a venv
-    # made from another clone, since removed, left pytest, torch ... unimportable).
-    echo "$MAIN_SITE" > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_main.pth"
     return
   fi
   echo "gradio $version: creating $venv"
@@ -60,6 +62,22 @@ except Exception:
 PY
 }
 
+# Packages the project's own code imports through Gradio's venv: the copy Gradio's install pulled
+# in shadows the project's, and a venv reused across project upgrades keeps an old one (a cached
+# hub 1.x broke transformers 5, which needs hub 2). Take them from the project venv instead.
+SHARED=(huggingface_hub)
+use_project_copies() {  # venv
+  local venv=$1 name mine theirs
+  for name in "${SHARED[@]}"; do
+    theirs=$("$MAIN_PY" -c "import importlib.metadata as m; print(m.version('$name'))")
+    mine=$("$venv/bin/python" -c "import importlib.metadata as m, sys; d=[x for x in m.distributions(name='$name') if x.locate_file('').as_posix().startswith(sys.prefix)]; print(d[0].version if d else '')")
+    if [ -n "$mine" ] && [ "$mine" != "$theirs" ]; then
+      echo "gradio venv $venv: $name $mine removed, the project's $theirs is used"
+      "$venv/bin/python" -m pip uninstall -q -y "$name"
+    fi
+  done
+}
+
 failed=0
 start_all=$SECONDS
 for entry in "${VERSIONS[@]}"; do
@@ -67,6 +85,7 @@ for entry in "${VERSIONS[@]}"; do
   start=$SECONDS
   # shellcheck disable=SC2086  # the requirements are words
   ensure_venv "$version" "$venv" $reqs
+  use_project_copies "$venv"
   if PYTHONPATH="$ROOT" "$venv/bin/python" tests/webui_stub/gradio_check.py | grep -v '^Applying\|^Disabling'; then
     echo "gradio $version: ok ($((SECONDS - start)) s)"
   else
