@@ -237,13 +237,31 @@ def init_ray(config: ServeConfig) -> bool:
         return False
     if not config.open_to_network:
         _local_ray_on_loopback()
-    ray.init(include_dashboard=False, object_store_memory=config.object_store_mb * 2**20)
+    with _children_ignore_ctrl_c():
+        ray.init(include_dashboard=False, object_store_memory=config.object_store_mb * 2**20)
     if not config.open_to_network:
         node = ray.util.get_node_ip_address()
         if not ipaddress.ip_address(node).is_loopback:
             log.warning("sd-accel serve: the local Ray's ports listen on %s, not only on this machine "
                         "(this Ray version ignores %s=0); a firewall should close them", node, _RAY_CLUSTER_ENV)
     return True
+
+
+@contextlib.contextmanager
+def _children_ignore_ctrl_c():
+    """Start the local Ray with SIGINT ignored, which its processes (and the workers its raylet
+    starts later: replicas, the controller) inherit. A terminal's Ctrl-C goes to the whole process
+    group: the replicas and Serve's controller took it as their own and died mid-request (answers
+    from a dead replica instead of the drain's, and once an exit that hung past 120 s), while the
+    drain in ``shutdown`` needs them alive. Only this process acts on Ctrl-C; ``shutdown`` ends the rest."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # Ray's own switch (the default on macOS and Windows): a node that takes 127.0.0.1 as its address,
