@@ -1,12 +1,13 @@
 """Serving benchmark: throughput (images/minute) and p50/p95 latency of ``sd-accel serve`` at
 several client concurrencies, with dynamic batching and without (max_batch_size=1).
 
-Starts a local Ray, builds ONNX Runtime engines for the model at the size (batch 1 to the batch
-limit) in an engine folder, deploys the app once per mode, and drives it over HTTP with N
+Starts a local Ray, builds engines of ``--backend`` (ONNX Runtime or OpenVINO, at ``--precision``)
+for the model at the size (batch 1 to the batch limit) in an engine folder, deploys the app once per mode, and drives it over HTTP with N
 concurrent clients, each sending its next request when the last one answers.
 
     python scripts/bench_serve.py                     # tiny SD 1.5, 128x128, 10 steps
     python scripts/bench_serve.py --size 64 --steps 4 --requests 16 --json out.json
+    python scripts/bench_serve.py --backend openvino --size 256 --concurrency 1,4
 
 Run it under the heavy lock on shared machines. Prints a Markdown table.
 """
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8, help="max_batch_size with batching on")
     p.add_argument("--batch-wait-ms", type=float, default=50)
     p.add_argument("--num-cpus", type=int, default=2, help="Ray CPUs (the one replica takes them all)")
+    p.add_argument("--backend", default="onnxruntime", help="engine backend (onnxruntime, openvino)")
+    p.add_argument("--precision", default="auto", help="engine precision (auto: the backend's default on this CPU)")
     p.add_argument("--engine-dir", default=None, help="default: a temporary folder")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -104,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for mode, max_batch in (("batching", args.max_batch), ("no batching", 1)):
             config = ServeConfig(
-                model=args.model, engine_dir=engine_dir, accel={"backend": "onnxruntime"}, port=port,
+                model=args.model, engine_dir=engine_dir, accel={"backend": args.backend}, port=port,
                 num_replicas=1, num_cpus=args.num_cpus, max_batch_size=max_batch, batch_wait_ms=args.batch_wait_ms,
                 max_ongoing_requests=max(max(levels), max_batch), max_queued_requests=max(levels),
-                build_missing=mode == "batching",
+                build_missing=mode == "batching", build_precision=args.precision,
                 build_profiles=[{"batch": [1, min(4, args.max_batch), args.max_batch], "height": args.size,
                                  "width": args.size}],
             )
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
     print()
-    print(f"{args.model}, {args.size}x{args.size}, {args.steps} steps, CFG 7, ONNX Runtime fp32 engines, "
+    print(f"{args.model}, {args.size}x{args.size}, {args.steps} steps, CFG 7, {args.backend} {args.precision} engines, "
           f"1 replica on {args.num_cpus} CPUs, {args.requests} requests per row")
     print()
     print("| mode | concurrency | images/min | p50 latency (s) | p95 latency (s) | calls by images per call | failed |")
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['mode']} | {r['concurrency']} | {r['images_per_min']} | {r['p50_s']} | {r['p95_s']} | "
               f"{calls} | {len(r['failures'])} |")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"backend": args.backend, "precision": args.precision, "size": args.size,
+                                         "steps": args.steps, "rows": rows}, indent=2))
     return 0
 
 

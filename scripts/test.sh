@@ -13,4 +13,8 @@ fi
 .venv/bin/ruff check sd_accel extension scripts tests conftest.py
 # The panel and the WebUI tab under the Gradio versions the WebUIs ship (3.41, 4.x): own venvs.
 bash scripts/test_gradio_versions.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+# Two workers, each file on one of them (tests/conftest.py groups them): run alone the suite kept
+# one core of two busy. SD_ACCEL_TEST_WORKERS=0 runs it in this process.
+WORKERS=${SD_ACCEL_TEST_WORKERS:-2}
+if [ "$WORKERS" = 0 ]; then XDIST=(); else XDIST=(-n "$WORKERS" --dist loadgroup); fi
+exec .venv/bin/python -m pytest -q -ra --durations=25 "${XDIST[@]}" "$@"

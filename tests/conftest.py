@@ -14,12 +14,33 @@ import pytest
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="sd-accel-tests-"))
 # Each run's default cache and engines (~130 MB) would otherwise pile up in /tmp run after run.
 atexit.register(shutil.rmtree, _SESSION_TMP, ignore_errors=True)
-os.environ.setdefault("SD_ACCEL_CACHE_DIR", str(_SESSION_TMP / "cache"))
-os.environ.setdefault("SD_ACCEL_ENGINE_DIR", str(_SESSION_TMP / "engines"))
+# pytest-xdist's workers inherit the controller's environment: each takes its own folders instead
+# (tests that count what the default folders hold must not see the other worker's engines).
+_OURS = os.environ.get("_SD_ACCEL_TESTS_TMP")
+for _name, _sub in (("SD_ACCEL_CACHE_DIR", "cache"), ("SD_ACCEL_ENGINE_DIR", "engines")):
+    if _OURS and os.environ.get(_name) == str(Path(_OURS) / _sub) and os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[_name] = str(_SESSION_TMP / _sub)
+    os.environ.setdefault(_name, str(_SESSION_TMP / _sub))
+os.environ.setdefault("_SD_ACCEL_TESTS_TMP", str(_SESSION_TMP))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+# With pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) each file runs on one worker, so its
+# module-scoped fixtures are made once; files that share an expensive session fixture go together.
+_XDIST_GROUPS = {
+    "test_real_sizes.py": "real-size builds",  # real_size_build's 512 / 1024 px engines
+    "test_engines_real_sizes.py": "real-size builds",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group(_XDIST_GROUPS.get(name, name)))
 
 
 @pytest.fixture(scope="session")
