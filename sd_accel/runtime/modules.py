@@ -172,7 +172,7 @@ class EngineUNet(EngineModule):
             if reason is not None:
                 engines.torch_call(reason)
             elif control:
-                from sd_accel.runtime.control import run_control_unet
+                from sd_accel.runtime.residuals import run_control_unet
 
                 latent = run_control_unet(engines, sample, timestep, encoder_hidden_states,  # None: counted there
                                           kwargs["down_block_additional_residuals"],

@@ -1,0 +1,165 @@
+"""ControlNet on engines (ONNX Runtime, tiny random models): the ``controlnet`` and ``unet_control``
+components, images against torch with one and two ControlNets, scales, guess mode,
+control_guidance_start/end, img2img, SDXL, and the counted fallback of a call no engine covers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sd_accel import accelerate, build_engines, stats
+from sd_accel.models.builtin import build_tiny_pipeline
+from sd_accel.models.tiny_controlnet import tiny_controlnet
+
+PROFILE = dict(batch=(1, 1, 2), height=(64, 64, 96), width=(64, 64, 96))
+STEPS = 3
+
+
+def control_pipe(family: str = "sd15", nets: int = 1, kind: str = "txt2img"):
+    """A fresh tiny ControlNet pipeline (the same random weights each time): its nets are made
+    from its UNet with seeds 0, 1, ..."""
+    import diffusers
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    base = build_tiny_pipeline(family)
+    made = [tiny_controlnet(base.unet, seed=i) for i in range(nets)]
+    net = made[0] if nets == 1 else MultiControlNetModel(made)
+    xl = "XL" if family == "sdxl" else ""
+    cls = {"txt2img": f"StableDiffusion{xl}ControlNetPipeline",
+           "img2img": f"StableDiffusion{xl}ControlNetImg2ImgPipeline"}[kind]
+    parts = {k: v for k, v in base.components.items() if k not in ("safety_checker", "feature_extractor",
+                                                                     "image_encoder")}
+    extra = {} if xl else {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    return getattr(diffusers, cls)(**parts, controlnet=net, **extra)
+
+
+def hint(seed: int = 3, size: int = 64) -> torch.Tensor:
+    return torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def run(pipe, size: int = 64, **kwargs) -> np.ndarray:
+    g = torch.Generator("cpu").manual_seed(0)
+    kwargs.setdefault("image", hint(size=size))
+    return pipe("a cat", num_inference_steps=STEPS, height=size, width=size, generator=g, output_type="np",
+                **kwargs).images
+
+
+def torch_ref(family="sd15", nets=1, kind="txt2img", **kwargs) -> np.ndarray:
+    return run(accelerate(control_pipe(family, nets, kind), precision="fp32", sampler="Euler"), **kwargs)
+
+
+def on_engines(engine_dir, family="sd15", nets=1, kind="txt2img"):
+    return accelerate(control_pipe(family, nets, kind), engines=True, engine_dir=str(engine_dir), precision="fp32",
+                      sampler="Euler", backend="onnxruntime")
+
+
+@pytest.fixture(scope="session")
+def sd15_control_engines(tmp_path_factory):
+    """Engines of two tiny SD 1.5 ControlNets and of the residual-taking UNet (one dynamic profile)."""
+    engine_dir = tmp_path_factory.mktemp("controlnet-engines")
+    records = build_engines(control_pipe(nets=2), profiles=[PROFILE], backend="onnxruntime", engine_dir=engine_dir,
+                            components=["controlnet", "unet_control"], progress=False)
+    return engine_dir, records
+
+
+def test_residual_shapes_follow_the_profile():
+    from sd_accel.components.controlnet import control_specs
+    from sd_accel.profiles import Profile
+
+    specs = control_specs(control_pipe())
+    assert set(specs) == {"controlnet", "unet_control"}
+    net, unet = specs["controlnet"], specs["unet_control"]
+    profile = Profile.of(dict(batch=(1, 1, 2), height=(64, 72, 96), width=(64, 72, 96)))
+    ranges = unet.shape_ranges(profile)
+    for point in (0, 2):  # min and max: the ControlNet's real outputs have the shapes the UNet engine takes
+        dims = {k: v[point] for k, v in net.dim_ranges(profile).items()}
+        with torch.no_grad():
+            outs = net.export_module()(*net.sample_feed(dims).values())
+        assert [tuple(o.shape) for o in outs] == [ranges[n][point] for n in unet.residual_names()]
+        assert all(o.abs().max() > 0 for o in outs)  # non-zero residuals (random zero convolutions)
+    assert net.shape_ranges(profile)["controlnet_cond"][2] == (4, 3, 96, 96)  # the control image at pixel size
+
+
+@pytest.mark.slow
+def test_engines_validated_with_nonzero_residuals(sd15_control_engines):
+    _, records = sd15_control_engines
+    got = sorted(r.key.component for r in records)
+    assert got == ["controlnet", "controlnet", "unet_control"]  # two nets (two weights ids), one UNet
+    assert len({r.key.model for r in records if r.key.component == "controlnet"}) == 2
+    for r in records:
+        assert r.validation["ok"] and r.validation["points"] == ["opt", "max"], r.key.name
+
+
+@pytest.mark.slow
+def test_one_controlnet_matches_torch(sd15_control_engines):
+    engine_dir, _ = sd15_control_engines
+    ref = torch_ref()
+    assert np.abs(ref - torch_ref(controlnet_conditioning_scale=0.0)).max() > 1e-2  # the net does something
+    pipe = on_engines(engine_dir)
+    out = run(pipe)
+    assert np.abs(out - ref).max() < 2e-3
+    s = stats(pipe)
+    assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
+    assert s["controlnet"]["torch_calls"] == 0 and s["unet_control"]["torch_calls"] == 0
+
+
+@pytest.mark.slow
+def test_two_controlnets_scales_and_start_end_match_torch(sd15_control_engines):
+    engine_dir, _ = sd15_control_engines
+    kwargs = dict(image=[hint(3), hint(4)], controlnet_conditioning_scale=[0.7, 1.3],
+                  control_guidance_start=[0.0, 0.4], control_guidance_end=[1.0, 0.8])
+    ref = torch_ref(nets=2, **kwargs)
+    pipe = on_engines(engine_dir, nets=2)
+    out = run(pipe, **kwargs)
+    assert np.abs(out - ref).max() < 2e-3
+    s = stats(pipe)
+    assert s["controlnet"]["engine_calls"] == STEPS and s["controlnet.1"]["engine_calls"] == STEPS
+    assert s["unet_control"]["engine_calls"] == STEPS  # one UNet engine for the sum of both nets
+    assert all(s[k]["torch_calls"] == 0 for k in ("controlnet", "controlnet.1", "unet_control"))
+
+
+@pytest.mark.slow
+def test_guess_mode_matches_torch(sd15_control_engines):
+    engine_dir, _ = sd15_control_engines
+    ref = torch_ref(guess_mode=True, controlnet_conditioning_scale=0.8)
+    pipe = on_engines(engine_dir)
+    out = run(pipe, guess_mode=True, controlnet_conditioning_scale=0.8)
+    assert np.abs(out - ref).max() < 2e-3
+    s = stats(pipe)  # the net sees the conditional half only (batch 1), the UNet both
+    assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
+
+
+@pytest.mark.slow
+def test_img2img_controlnet_matches_torch(sd15_control_engines):
+    engine_dir, _ = sd15_control_engines
+    kwargs = dict(image=hint(5), control_image=hint(3), strength=1.0)
+    ref = torch_ref(kind="img2img", **kwargs)
+    pipe = on_engines(engine_dir, kind="img2img")
+    out = run(pipe, **kwargs)
+    assert np.abs(out - ref).max() < 2e-3
+    assert stats(pipe)["unet_control"]["engine_calls"] == STEPS
+
+
+@pytest.mark.slow
+def test_size_no_engine_covers_runs_torch_counted(sd15_control_engines):
+    engine_dir, _ = sd15_control_engines
+    ref = torch_ref(size=128, image=hint(size=128))
+    pipe = on_engines(engine_dir)
+    out = run(pipe, size=128, image=hint(size=128))
+    assert np.abs(out - ref).max() < 2e-3
+    s = stats(pipe)
+    assert s["controlnet"]["torch_calls"] == STEPS and s["unet_control"]["torch_calls"] == STEPS
+    assert s["controlnet"]["engine_calls"] == 0 and s["unet_control"]["engine_calls"] == 0
+
+
+@pytest.mark.slow
+def test_sdxl_controlnet_matches_torch(tmp_path):
+    build_engines(control_pipe("sdxl"), profiles=[dict(batch=1, height=64, width=64)], backend="onnxruntime",
+                  engine_dir=tmp_path, components=["controlnet", "unet_control"], progress=False)
+    ref = torch_ref("sdxl")
+    pipe = on_engines(tmp_path, "sdxl")
+    out = run(pipe)
+    assert np.abs(out - ref).max() < 2e-3
+    s = stats(pipe)
+    assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
