@@ -163,3 +163,53 @@ def test_sdxl_controlnet_matches_torch(tmp_path):
     assert np.abs(out - ref).max() < 2e-3
     s = stats(pipe)
     assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
+
+
+# ---------------------------------------------------------------------------------- loading offline
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_single_file_round_trip(family, tmp_path):
+    from sd_accel.models.controlnet import controlnet_pipeline, load_controlnet
+
+    from support.controlnet_layout import save_controlnet_file
+
+    base = build_tiny_pipeline(family)
+    net = tiny_controlnet(base.unet)
+    path = save_controlnet_file(net, tmp_path / "control_tiny.safetensors")
+    back = load_controlnet(path, pipe=base)
+    want, got = net.state_dict(), back.state_dict()
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+    assert list(back.config.block_out_channels) == list(net.config.block_out_channels)
+    assert back.config.get("addition_embed_type") == net.config.get("addition_embed_type")
+    # without the prefix too (files saved from the ControlNet alone)
+    bare = load_controlnet(save_controlnet_file(net, tmp_path / "bare.safetensors", prefix=""), pipe=base)
+    assert torch.equal(bare.state_dict()["controlnet_mid_block.weight"], want["controlnet_mid_block.weight"])
+    net.save_pretrained(tmp_path / "folder")
+    folder = load_controlnet(tmp_path / "folder", pipe=base)
+    assert torch.equal(folder.state_dict()["controlnet_mid_block.weight"], want["controlnet_mid_block.weight"])
+    pipe = controlnet_pipeline(base, [back, folder])
+    assert type(pipe).__name__ == f"StableDiffusion{'XL' if family == 'sdxl' else ''}ControlNetPipeline"
+    assert len(pipe.controlnet.nets) == 2
+
+
+def test_pickle_refused_and_family_mismatch_is_clear(tmp_path):
+    from sd_accel.core import CheckpointError, InvalidValue
+    from sd_accel.models.controlnet import load_controlnet
+
+    from support.controlnet_layout import controlnet_to_original, save_controlnet_file
+
+    sd15, sdxl = build_tiny_pipeline("sd15"), build_tiny_pipeline("sdxl")
+    net = tiny_controlnet(sd15.unet)
+    torch.save(controlnet_to_original(net), tmp_path / "control.pth")
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_controlnet(tmp_path / "control.pth")
+    assert load_controlnet(tmp_path / "control.pth", allow_pickle=True, pipe=sd15) is not None
+    path = save_controlnet_file(net, tmp_path / "sd15_control.safetensors")
+    with pytest.raises(InvalidValue, match="SD 1.x ControlNet and the checkpoint is SDXL"):
+        load_controlnet(path, pipe=sdxl)
+    with pytest.raises(CheckpointError, match="not a ControlNet"):
+        from safetensors.torch import save_file
+
+        save_file({"foo.weight": torch.zeros(2)}, str(tmp_path / "junk.safetensors"))
+        load_controlnet(tmp_path / "junk.safetensors")
