@@ -213,3 +213,53 @@ def test_pickle_refused_and_family_mismatch_is_clear(tmp_path):
 
         save_file({"foo.weight": torch.zeros(2)}, str(tmp_path / "junk.safetensors"))
         load_controlnet(tmp_path / "junk.safetensors")
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+
+@pytest.mark.slow
+def test_cli_build_and_generate_with_a_controlnet_file(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from PIL import Image, ImageDraw
+
+    from sd_accel import load_pipeline
+
+    from support.controlnet_layout import save_controlnet_file
+
+    net = save_controlnet_file(tiny_controlnet(load_pipeline("builtin:tiny-sd15").unet), tmp_path / "cn.safetensors")
+    photo = Image.new("RGB", (64, 64), "black")
+    ImageDraw.Draw(photo).ellipse([12, 12, 52, 52], fill="white")
+    photo.save(tmp_path / "photo.png")
+    engines = str(tmp_path / "engines")
+
+    def cli(*args: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "sd_accel.cli", *args, "--json"], capture_output=True,
+                              text=True, timeout=600, env=dict(os.environ))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    built = cli("build", "--controlnet", str(net), "--components", "controlnet,unet_control", "--static",
+                "--height", "64", "--width", "64", "--backend", "onnxruntime", "--engine-dir", engines)
+    assert sorted(e["component"] for e in built["engines"]) == ["controlnet", "unet_control"]
+    report = cli("generate", "--controlnet", str(net), "--control-image", str(tmp_path / "photo.png"),
+                 "--control-preprocess", "canny", "--control-scale", "0.8", "--steps", "2", "--size", "64x64",
+                 "--engines", "on", "--backend", "onnxruntime", "--engine-dir", engines,
+                 "--out", str(tmp_path / "img.png"))
+    assert report["components"]["controlnet"] == "engine" and report["components"]["unet_control"] == "engine"
+
+
+def test_canny_finds_the_edges_of_a_shape():
+    from PIL import Image, ImageDraw
+
+    from sd_accel.models.hints import canny
+
+    photo = Image.new("RGB", (64, 64), "black")
+    ImageDraw.Draw(photo).rectangle([16, 16, 47, 47], fill="white")
+    edges = np.asarray(canny(photo))[..., 0] > 0
+    assert edges[16:48, 15:18].any(axis=1).all()  # every row of the left side has an edge pixel
+    assert not edges[24:40, 24:40].any() and not edges[:8, :8].any()  # none inside or in the flat background

@@ -252,3 +252,14 @@ def controlnet_pipeline(pipe, nets, kind: str = "txt2img"):
     if hasattr(pipe, "sd_accel_model"):
         out.sd_accel_model = pipe.sd_accel_model
     return out
+
+
+def with_controlnets(pipe, sources, *, kind: str = "txt2img", allow_pickle: bool = False):
+    """``pipe`` as its ControlNet pipeline of ``kind``, with each ControlNet of ``sources`` (paths, or
+    loaded ``ControlNetModel``) loaded offline and checked against its UNet.
+
+    >>> pipe = with_controlnets(load_pipeline("sd15.safetensors"), ["control_v11p_sd15_canny.safetensors"])  # doctest: +SKIP
+    """
+    nets = [s if isinstance(s, torch.nn.Module) else load_controlnet(s, pipe=pipe, allow_pickle=allow_pickle)
+            for s in sources]
+    return controlnet_pipeline(pipe, nets, kind)
