@@ -219,15 +219,16 @@ def test_pickle_refused_and_family_mismatch_is_clear(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_build_and_generate_with_a_controlnet_file(tmp_path):
+def test_cli_build_and_generate_with_a_controlnet_file(sd15_control_engines, tmp_path, capsys):
+    """In-process (the subprocess start is most of a CLI test's cost): the tiny built-in model's
+    ControlNet as a single file; its engines and the residual UNet's are the fixture's (the same
+    weights), so the build finds them cached and the generation runs on them."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from PIL import Image, ImageDraw
 
     from sd_accel import load_pipeline
+    from sd_accel.cli import main
 
     from support.controlnet_layout import save_controlnet_file
 
@@ -235,16 +236,14 @@ def test_cli_build_and_generate_with_a_controlnet_file(tmp_path):
     photo = Image.new("RGB", (64, 64), "black")
     ImageDraw.Draw(photo).ellipse([12, 12, 52, 52], fill="white")
     photo.save(tmp_path / "photo.png")
-    engines = str(tmp_path / "engines")
+    engines = str(sd15_control_engines[0])
 
     def cli(*args: str) -> dict:
-        proc = subprocess.run([sys.executable, "-m", "sd_accel.cli", *args, "--json"], capture_output=True,
-                              text=True, timeout=600, env=dict(os.environ))
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        assert main([*args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
-    built = cli("build", "--controlnet", str(net), "--components", "controlnet,unet_control", "--static",
-                "--height", "64", "--width", "64", "--backend", "onnxruntime", "--engine-dir", engines)
+    built = cli("build", "--controlnet", str(net), "--components", "controlnet,unet_control", "--batch", "1-1-2",
+                "--height", "64-64-96", "--width", "64-64-96", "--backend", "onnxruntime", "--engine-dir", engines)
     assert sorted(e["component"] for e in built["engines"]) == ["controlnet", "unet_control"]
     report = cli("generate", "--controlnet", str(net), "--control-image", str(tmp_path / "photo.png"),
                  "--control-preprocess", "canny", "--control-scale", "0.8", "--steps", "2", "--size", "64x64",
