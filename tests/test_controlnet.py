@@ -262,3 +262,30 @@ def test_canny_finds_the_edges_of_a_shape():
     edges = np.asarray(canny(photo))[..., 0] > 0
     assert edges[16:48, 15:18].any(axis=1).all()  # every row of the left side has an edge pixel
     assert not edges[24:40, 24:40].any() and not edges[:8, :8].any()  # none inside or in the flat background
+
+
+@pytest.mark.slow
+def test_changed_weights_never_run_stale_engines_and_refit_serves_the_unet(sd15_control_engines, tmp_path):
+    import shutil
+
+    from sd_accel import refit_engines
+
+    engine_dir = shutil.copytree(sd15_control_engines[0], tmp_path / "engines")
+    pipe = on_engines(engine_dir)
+    with torch.no_grad():  # a weight edit (what a fused LoRA does), on the UNet and on the ControlNet
+        pipe.unet.torch_module.conv_in.weight.mul_(1.1)
+        pipe.controlnet.controlnet_mid_block.weight.mul_(1.5)
+    pipe.unet.touched()
+    pipe.controlnet._sd_accel_engine.touched()
+    changed = control_pipe()
+    with torch.no_grad():
+        changed.unet.conv_in.weight.mul_(1.1)
+        changed.controlnet.controlnet_mid_block.weight.mul_(1.5)
+    ref = run(accelerate(changed, precision="fp32", sampler="Euler"))
+    assert np.abs(run(pipe) - ref).max() < 2e-3
+    s = stats(pipe)
+    assert s["unet_control"]["torch_calls"] == STEPS and s["controlnet"]["torch_calls"] == STEPS
+    assert any("weights changed" in why for why in s["unet_control"]["fallbacks"])
+    assert "unet_control" in refit_engines(pipe, progress=False)
+    assert np.abs(run(pipe) - ref).max() < 2e-3
+    assert stats(pipe)["unet_control"]["engine_calls"] == STEPS
