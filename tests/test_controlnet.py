@@ -27,7 +27,8 @@ def control_pipe(family: str = "sd15", nets: int = 1, kind: str = "txt2img"):
     net = made[0] if nets == 1 else MultiControlNetModel(made)
     xl = "XL" if family == "sdxl" else ""
     cls = {"txt2img": f"StableDiffusion{xl}ControlNetPipeline",
-           "img2img": f"StableDiffusion{xl}ControlNetImg2ImgPipeline"}[kind]
+           "img2img": f"StableDiffusion{xl}ControlNetImg2ImgPipeline",
+           "inpaint": f"StableDiffusion{xl}ControlNetInpaintPipeline"}[kind]
     parts = {k: v for k, v in base.components.items() if k not in ("safety_checker", "feature_extractor",
                                                                      "image_encoder")}
     extra = {} if xl else {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
@@ -131,11 +132,14 @@ def test_guess_mode_matches_torch(sd15_control_engines):
 
 
 @pytest.mark.slow
-def test_img2img_controlnet_matches_torch(sd15_control_engines):
+@pytest.mark.parametrize("kind", ["img2img", "inpaint"])
+def test_img2img_and_inpaint_controlnet_match_torch(sd15_control_engines, kind):
     engine_dir, _ = sd15_control_engines
     kwargs = dict(image=hint(5), control_image=hint(3), strength=1.0)
-    ref = torch_ref(kind="img2img", **kwargs)
-    pipe = on_engines(engine_dir, kind="img2img")
+    if kind == "inpaint":
+        kwargs["mask_image"] = (hint(6)[:, :1] > 0.5).float()
+    ref = torch_ref(kind=kind, **kwargs)
+    pipe = on_engines(engine_dir, kind=kind)
     out = run(pipe, **kwargs)
     assert np.abs(out - ref).max() < 2e-3
     assert stats(pipe)["unet_control"]["engine_calls"] == STEPS
@@ -289,3 +293,17 @@ def test_changed_weights_never_run_stale_engines_and_refit_serves_the_unet(sd15_
     assert "unet_control" in refit_engines(pipe, progress=False)
     assert np.abs(run(pipe) - ref).max() < 2e-3
     assert stats(pipe)["unet_control"]["engine_calls"] == STEPS
+
+
+@pytest.mark.slow
+def test_openvino_controlnet_engines_match_torch(tmp_path):
+    pytest.importorskip("openvino")
+    records = build_engines(control_pipe(), profiles=[dict(batch=1, height=64, width=64)], backend="openvino",
+                            precision="fp32", engine_dir=tmp_path, components=["controlnet", "unet_control"],
+                            progress=False)
+    assert all(r.validation["ok"] for r in records)
+    pipe = accelerate(control_pipe(), engines=True, engine_dir=str(tmp_path), precision="fp32", sampler="Euler",
+                      backend="openvino")
+    assert np.abs(run(pipe) - torch_ref()).max() < 2e-3
+    s = stats(pipe)
+    assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
