@@ -307,3 +307,17 @@ def test_openvino_controlnet_engines_match_torch(tmp_path):
     assert np.abs(run(pipe) - torch_ref()).max() < 2e-3
     s = stats(pipe)
     assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
+
+
+@pytest.mark.slow
+def test_engines_auto_builds_the_controlnet_and_residual_unet_on_first_use(tmp_path):
+    pipe = accelerate(control_pipe(), engines="auto", engine_dir=str(tmp_path), precision="fp32", sampler="Euler",
+                      backend="onnxruntime")
+    from sd_accel.runtime.swap import set_build_progress
+
+    set_build_progress(pipe, False)
+    out = run(pipe)
+    s = stats(pipe)
+    assert len(s["controlnet"]["builds"]) == 1 and len(s["unet_control"]["builds"]) == 1
+    assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
+    assert np.abs(out - torch_ref()).max() < 2e-3

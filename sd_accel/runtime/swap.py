@@ -168,8 +168,8 @@ def _after_build(pipe, component: str, cache, park_weights: bool) -> None:
 def set_build_progress(pipe, progress: bool | Callable[[Any], None]) -> None:
     """Where the builds of ``engines="auto"`` report: True (tqdm bars), False, or a callable
     taking :class:`sd_accel.build.BuildEvent` (a panel's progress bar)."""
-    for slot in SLOTS:
-        module = getattr(pipe, slot, None)
+    modules = [getattr(pipe, slot, None) for slot in SLOTS] + controlnet_wrappers(pipe)
+    for module in modules:
         if isinstance(module, EngineModule):
             for engines in module.engines.values():
                 if engines.builder is not None:
