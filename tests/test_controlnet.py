@@ -321,3 +321,35 @@ def test_engines_auto_builds_the_controlnet_and_residual_unet_on_first_use(tmp_p
     assert len(s["controlnet"]["builds"]) == 1 and len(s["unet_control"]["builds"]) == 1
     assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
     assert np.abs(out - torch_ref()).max() < 2e-3
+
+
+def test_webui_controlnet_units_are_read_and_refused_by_name():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from sd_accel.core import InvalidValue
+    from sd_accel.serve.controlnet_units import parse_controlnet_units, pipeline_arguments
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), "white").save(buf, format="PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    args = [{"enabled": True, "image": "data:image/png;base64," + b64, "module": "canny",
+             "model": "control_v11p_sd15_canny [d14c016b]", "weight": 0.6, "guidance_start": 0.1,
+             "guidance_end": 0.9, "threshold_a": 50, "threshold_b": 150},
+            {"enabled": False, "model": "off"},
+            {"input_image": b64, "module": "none", "model": "depth", "control_mode": "Balanced"}]
+    units = parse_controlnet_units({"controlnet": {"args": args}})
+    assert [(u.model, u.module, u.weight) for u in units] == [("control_v11p_sd15_canny", "canny", 0.6),
+                                                              ("depth", "none", 1.0)]
+    assert (units[0].low, units[0].high, units[0].guidance_start) == (50.0, 150.0, 0.1)
+    call = pipeline_arguments(units)
+    assert call["controlnet_conditioning_scale"] == [0.6, 1.0] and call["control_guidance_end"] == [0.9, 1.0]
+    assert [im.size for im in call["image"]] == [(64, 64), (64, 64)]
+    for bad, match in (({"module": "openpose"}, "canny preprocessor"),
+                       ({"control_mode": "ControlNet is more important"}, "control_mode"),
+                       ({"guidance_start": 0.8, "guidance_end": 0.2}, "after guidance_end"),
+                       ({"image": "not base64!"}, "base64")):
+        with pytest.raises(InvalidValue, match=match):
+            parse_controlnet_units({"controlnet": {"args": [{**args[2], **bad}]}})
