@@ -245,8 +245,10 @@ def controlnet_pipeline(pipe, nets, kind: str = "txt2img"):
     xl = "XL" if getattr(pipe, "text_encoder_2", None) is not None else ""
     suffix = {"txt2img": "", "img2img": "Img2Img", "inpaint": "Inpaint"}[kind]
     cls = getattr(diffusers, f"StableDiffusion{xl}ControlNet{suffix}Pipeline")
-    parts = {k: v for k, v in pipe.components.items() if k not in ("safety_checker", "feature_extractor",
-                                                                      "image_encoder", "controlnet")}
+    # An accelerated pipeline holds engine stand-ins: the new pipeline takes their torch modules
+    # (diffusers would record the stand-in's class); accelerate() the new pipeline for engines.
+    parts = {k: getattr(v, "torch_module", v) for k, v in pipe.components.items()
+             if k not in ("safety_checker", "feature_extractor", "image_encoder", "controlnet")}
     extra = {} if xl else {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
     out = cls(**parts, controlnet=nets[0] if len(nets) == 1 else MultiControlNetModel(nets), **extra)
     if hasattr(pipe, "sd_accel_model"):
