@@ -307,6 +307,9 @@ def test_openvino_controlnet_engines_match_torch(tmp_path):
     assert np.abs(run(pipe) - torch_ref()).max() < 2e-3
     s = stats(pipe)
     assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
+    # guess mode: the net sees batch 1, which the static engine (2 rows) serves doubled
+    assert np.abs(run(pipe, guess_mode=True) - torch_ref(guess_mode=True)).max() < 2e-3
+    assert stats(pipe)["controlnet"]["engine_calls"] == 2 * STEPS
 
 
 @pytest.mark.slow
