@@ -18,6 +18,8 @@ _EXPORTS = {
     "AccelConfig": "sd_accel.config",
     "accelerate": "sd_accel.api",
     "load_pipeline": "sd_accel.api",
+    "load_controlnet": "sd_accel.api",
+    "with_controlnets": "sd_accel.api",
     "build_engines": "sd_accel.build",
     "refit_engines": "sd_accel.refit",
     "stats": "sd_accel.runtime.swap",

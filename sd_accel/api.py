@@ -25,6 +25,9 @@ import torch
 
 from sd_accel.config import AccelConfig
 from sd_accel.core import DeviceError, InvalidType
+from sd_accel.models.controlnet import controlnet_pipeline, load_controlnet, with_controlnets
+from sd_accel.models.hints import canny as control_canny
+from sd_accel.models.hints import preprocess as control_hint
 from sd_accel.models.load import ModelInfo, load_pipeline
 from sd_accel.optimize.attention import apply_attention, resolve_attention
 from sd_accel.optimize.offload import apply_offload, apply_vae_memory
@@ -33,8 +36,8 @@ from sd_accel.refit import refit_engines
 
 log = logging.getLogger("sd_accel")
 
-__all__ = ["AccelState", "accelerate", "describe_machine", "load_pipeline", "ModelInfo", "refit_engines",
-           "resolve_device"]
+__all__ = ["AccelState", "accelerate", "control_canny", "control_hint", "controlnet_pipeline", "describe_machine", "load_controlnet",
+           "load_pipeline", "ModelInfo", "refit_engines", "resolve_device", "with_controlnets"]
 
 
 @dataclass

@@ -91,6 +91,18 @@ def profile_for_call(spec, feed: dict[str, torch.Tensor]) -> Profile | None:
     return None
 
 
+def _control_spec(pipe, component: str, model: str | None):
+    """A ControlNet pipeline's spec of ``component`` (``unet_control``, or the ``controlnet``
+    whose weights id is ``model``: a pipeline may hold several)."""
+    from sd_accel.components.controlnet import control_specs
+    from sd_accel.onnx.fingerprint import fingerprint
+
+    for spec in control_specs(pipe).values():
+        if spec.name == component and (component != "controlnet" or fingerprint(spec.torch_module()) == model):
+            return spec
+    return None
+
+
 class AutoBuilder:
     """Builds, for a call no engine covers, a static engine of that call's shape (see the module doc).
 
@@ -117,7 +129,7 @@ class AutoBuilder:
             return self.failed[key]
         got = ", ".join(f"{k}={tuple(v.shape)}" for k, v in feed.items())
         try:
-            handle = self._build(engines.component, feed)
+            handle = self._build(engines.component, feed, getattr(engines, "model", None))
         except Exception as exc:  # a failed build must not end the image; interrupts do
             reason = f"no engine covers {got}, and building one failed: {reason_text(exc)}"
             self.failed[key] = reason
@@ -131,7 +143,7 @@ class AutoBuilder:
             self.on_built(engines.component)
         return handle
 
-    def _build(self, component: str, feed: dict[str, torch.Tensor]) -> EngineHandle:
+    def _build(self, component: str, feed: dict[str, torch.Tensor], model: str | None = None) -> EngineHandle:
 
         pipe = self._pipe()
         if pipe is None:
@@ -139,7 +151,7 @@ class AutoBuilder:
         info = self.backend.info()
         start = time.perf_counter()
         with torch_modules(pipe):  # export and validation need the torch modules in the pipeline
-            spec = specs_for(pipe).get(component)
+            spec = specs_for(pipe).get(component) or _control_spec(pipe, component, model)
             if spec is None:
                 raise EngineError(f"this pipeline has no {component} that engines can serve")
             profile = profile_for_call(spec, feed)

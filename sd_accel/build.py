@@ -75,6 +75,10 @@ def run_jobs(
     """
     for precision in dict.fromkeys(job.precision for job in jobs):
         check_precision(backend, precision)  # says what a missing precision needs (NNCF, a bf16 CPU)
+    control = sorted({job.spec.name for job in jobs if job.precision == "int8"} & {"controlnet", "unet_control"})
+    if control:  # static INT8 calibrates from prompt runs, which do not yet run the ControlNet
+        raise InvalidValue(f"int8 engines of {', '.join(control)} are not built yet (their calibration needs "
+                           "ControlNet runs); build them in the backend's default precision or fp32")
     info = backend.info()
     report = _reporter(progress)
     records: list = []
@@ -108,7 +112,9 @@ def _profiles(pipe, preset: str | None, profiles: Iterable | None) -> list[Profi
 def _components(specs: dict, components: Iterable[str] | None) -> list[str]:
     if components is None:
         return list(specs)
-    wanted = list(components)
+    wanted: list[str] = []
+    for c in components:  # "controlnet" names every ControlNet of the pipeline (controlnet, controlnet.1, ...)
+        wanted += [k for k in specs if k.split(".")[0] == c] if c == "controlnet" and c in specs else [c]
     unknown = [c for c in wanted if c not in specs]
     if unknown:
         raise InvalidValue(f"components {unknown} are not in this pipeline; it has: {', '.join(specs)}")
@@ -143,6 +149,7 @@ def build_engines(
     """
     from sd_accel.cache.store import EngineCache
     from sd_accel.components import specs_for
+    from sd_accel.components.controlnet import control_specs
     from sd_accel.runtime.swap import torch_modules
 
     if keep_onnx not in (True, False, "graph"):
@@ -153,7 +160,7 @@ def build_engines(
     precision = be.default_precision() if precision == "auto" else precision
     check_precision(be, precision)  # before the pipeline is read: a refused precision costs nothing
     with torch_modules(pipe):
-        specs = specs_for(pipe)
+        specs = {**specs_for(pipe), **control_specs(pipe)}  # a ControlNet pipeline's nets and residual UNet too
         names = _components(specs, components)
         profs = _profiles(pipe, preset, profiles)
         jobs = [EngineJob(specs[n], p, precision) for n in names for p in profs]
@@ -164,6 +171,8 @@ def build_engines(
             built = {r.key.component for r in records}
             cache.slim_intermediates_of(records, {name: _tensor_shapes(specs[name].torch_module())
                                                   for name in built if name in specs})
+            # (several ControlNets share the component name; the first one's shapes stand for all:
+            # their exports stay whole when the shapes differ)
     return records
 
 

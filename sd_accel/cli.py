@@ -51,11 +51,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          backend=args.backend, engine_precision=args.engine_precision)
     t0 = time.perf_counter()
     pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
+    extra = {}
+    if args.controlnet:
+        pipe, extra = _with_controlnets(pipe, args)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     pipe = accelerate(pipe, config)
     t_accel = time.perf_counter() - t0
-    result = generate(pipe, request)
+    result = generate(pipe, request, extra)
     image = result.images[0]
     from sd_accel.samplers import webui_name
 
@@ -89,6 +92,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print("note: built-in tiny models have random weights; their images are noise. "
                   "Pass --model with a real checkpoint for real pictures.")
     return 0
+
+
+def _with_controlnets(pipe, args: argparse.Namespace):
+    """The ControlNet pipeline of ``--controlnet`` (repeatable) and the call's arguments: each
+    net's ``--control-image`` (through its ``--control-preprocess``) and ``--control-scale``."""
+    from PIL import Image
+
+    from sd_accel import with_controlnets
+    from sd_accel.api import control_hint
+    from sd_accel.core import InvalidValue
+
+    n = len(args.controlnet)
+    images = args.control_image or []
+    if len(images) != n:
+        raise InvalidValue(f"{n} --controlnet but {len(images)} --control-image: give one image per ControlNet")
+    scales = args.control_scale or [1.0] * n
+    preps = args.control_preprocess or ["none"] * n
+    if len(scales) != n or len(preps) not in (1, n):
+        raise InvalidValue("give one --control-scale per --controlnet (or none), and one --control-preprocess "
+                           "per --controlnet (or one for all)")
+    preps = preps * n if len(preps) == 1 else preps
+    try:
+        hints = [control_hint(Image.open(p), prep) for p, prep in zip(images, preps, strict=True)]
+    except OSError as exc:
+        raise InvalidValue(f"--control-image: {exc}") from exc
+    pipe = with_controlnets(pipe, args.controlnet, allow_pickle=args.allow_pickle)
+    extra = {"image": hints[0] if n == 1 else hints,
+             "controlnet_conditioning_scale": scales[0] if n == 1 else scales}
+    return pipe, extra
 
 
 def _component_use(pipe) -> dict[str, str]:
@@ -142,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--engine-precision", choices=ENGINE_PRECISIONS, default=None,
                      help="when engines of several precisions fit (int8 and bf16, say), use this one first")
     _engine_args(gen, backend=True)
+    gen.add_argument("--controlnet", action="append", default=None, metavar="PATH",
+                     help="a ControlNet (diffusers folder or .safetensors); repeat for several")
+    gen.add_argument("--control-image", action="append", default=None, metavar="IMG",
+                     help="the hint image of each --controlnet, in order")
+    gen.add_argument("--control-scale", action="append", type=float, default=None, metavar="S",
+                     help="each --controlnet's conditioning scale (default 1.0)")
+    gen.add_argument("--control-preprocess", action="append", choices=("none", "canny"), default=None,
+                     help="make each hint from its image: canny (built in, no weights) or none (default)")
     gen.add_argument("--out", type=Path, default=Path("outputs/sd-accel.png"))
     gen.add_argument("--json", action="store_true", help="print the report as one JSON line")
     gen.set_defaults(func=_cmd_generate)

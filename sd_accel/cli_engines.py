@@ -96,7 +96,12 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     preset, profiles = _profiles(args)
     pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
-    components = _components(args.components, engine_components(pipe))
+    if args.controlnet:  # their engines and the UNet's that takes their residuals, beside the others
+        from sd_accel import with_controlnets
+
+        pipe = with_controlnets(pipe, args.controlnet, allow_pickle=args.allow_pickle)
+    components = _components(args.components, engine_components(pipe) + (
+        ["controlnet", "unet_control"] if args.controlnet else []))
     start = time.perf_counter()
     with _ctrl_c_cancels() as cancel:
         records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,
@@ -271,6 +276,9 @@ def add_commands(sub, engine_args) -> None:
     b.add_argument("--precision", choices=("auto", *ENGINE_PRECISIONS), default="auto",
                    help="auto: the backend's default (`sd-accel doctor` lists each backend's)")
     b.add_argument("--allow-pickle", action="store_true")
+    b.add_argument("--controlnet", action="append", default=None, metavar="PATH",
+                   help="also build this ControlNet's engines and the UNet's that takes ControlNet residuals "
+                        "(component unet_control); repeat for several")
     b.add_argument("--keep-onnx", choices=tuple(_KEEP_ONNX), default="graph",
                    help="what stays of the ONNX exports once the engines are built: graph (default: the graph "
                         "without its weights, a few MB; more profiles and refits need no new export), all, none")

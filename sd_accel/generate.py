@@ -107,7 +107,7 @@ class GenerationResult:
         return self.steps / self.seconds if self.seconds else 0.0
 
 
-def generate(pipe, params: GenerationParams) -> GenerationResult:
+def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None) -> GenerationResult:
     """Run ``pipe`` once for ``params`` and time it. The UNet calls are counted, so second-order
     samplers show.
 
@@ -137,6 +137,7 @@ def generate(pipe, params: GenerationParams) -> GenerationResult:
         kwargs["width"] = params.width
     if params.height:
         kwargs["height"] = params.height
+    kwargs.update(extra or {})  # what only some pipelines take: a ControlNet's image and scale
     start = time.perf_counter()
     try:
         images = pipe(**kwargs).images

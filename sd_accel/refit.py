@@ -313,6 +313,7 @@ def _auto_refit(pipe_ref, progress, validate: bool):
 
     def refit(wrapper) -> bool:
         from sd_accel.components import specs_for
+        from sd_accel.components.controlnet import control_specs
         from sd_accel.runtime.swap import torch_modules
 
         refits = wrapper.__dict__.setdefault("_refits", {})
@@ -325,7 +326,7 @@ def _auto_refit(pipe_ref, progress, validate: bool):
             log.warning("%s: weights changed; refitting its engines to them (refit_engines(pipe, auto=True))",
                         next(iter(wrapper.engines), "module"))
             with torch_modules(pipe):
-                pairs = _refit_module(wrapper, specs_for(pipe), progress, validate)
+                pairs = _refit_module(wrapper, {**specs_for(pipe), **control_specs(pipe)}, progress, validate)
         refits[key] = pairs  # most recent last
         while len(refits) > KEEP_REFITS:
             old = refits.pop(next(iter(refits)))
@@ -363,6 +364,7 @@ def refit_engines(pipe, *, progress: bool | Callable[[Any], None] = True, valida
     {'unet': ['unet.cpu-...fp32.static.b1.h512.w512.t77...'], 'clip': ['clip.cpu-...']}
     """
     from sd_accel.components import specs_for
+    from sd_accel.components.controlnet import control_specs
     from sd_accel.runtime.modules import EngineModule
     from sd_accel.runtime.swap import SLOTS, torch_modules
 
@@ -382,7 +384,7 @@ def refit_engines(pipe, *, progress: bool | Callable[[Any], None] = True, valida
     done: dict[str, list[str]] = {}
     start = time.perf_counter()
     with torch_modules(pipe):  # validation runs the torch modules through the specs
-        specs = specs_for(pipe)
+        specs = {**specs_for(pipe), **control_specs(pipe)}  # a ControlNet pipeline's residual UNet: the UNet's weights
         for wrapper in todo.values():
             pairs = _refit_module(wrapper, specs, progress, validate)
             if auto or (auto is None and wrapper.auto_refit):  # kept: switching back costs nothing

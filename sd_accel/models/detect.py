@@ -42,7 +42,7 @@ def _describe_foreign(shapes: Shapes) -> str:
     if "string_to_param" in joined or "emb_params" in joined or set(keys) <= {"clip_l", "clip_g"}:
         return "a textual-inversion embedding"
     if "control_model." in joined or "zero_convs" in joined or "controlnet_cond_embedding" in joined:
-        return "a ControlNet"
+        return "a ControlNet (load it with sd_accel.load_controlnet(path), CLI: --controlnet PATH)"
     if any(k.startswith(("encoder.down", "decoder.up")) for k in keys) and "quant_conv.weight" in shapes:
         return "a standalone VAE (original layout)"
     if "conv_in.weight" in shapes and any(k.startswith("down_blocks.") for k in keys):

@@ -152,7 +152,10 @@ class EngineUNet(EngineModule):
     def forward(self, sample, timestep, encoder_hidden_states, *args, **kwargs):
         from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-        engines = self.engines["unet"]
+        # ControlNet residuals go to the residual-taking engines (sd_accel.runtime.control), when swapped in
+        control = "unet_control" in self.engines and kwargs.get("down_block_additional_residuals") is not None \
+            and kwargs.get("mid_block_additional_residual") is not None
+        engines = self.engines["unet_control" if control else "unet"]
         return_dict = kwargs.get("return_dict", True)
         cak = kwargs.get("cross_attention_kwargs") or {}
         scale = float(cak["scale"]) if set(cak) == {"scale"} else None  # a LoRA scale for this call
@@ -165,16 +168,23 @@ class EngineUNet(EngineModule):
 
                 scale_lora_layers(self.torch_module, scale)
                 scaled = True
-            reason = self.stale() or self._unsupported(args, kwargs, lora_scale=scale)
-            if reason is None:
+            reason = self.stale() or self._unsupported(args, kwargs, lora_scale=scale, control=control)
+            if reason is not None:
+                engines.torch_call(reason)
+            elif control:
+                from sd_accel.runtime.residuals import run_control_unet
+
+                latent = run_control_unet(engines, sample, timestep, encoder_hidden_states,  # None: counted there
+                                          kwargs["down_block_additional_residuals"],
+                                          kwargs["mid_block_additional_residual"], kwargs.get("added_cond_kwargs"))
+                out = None if latent is None else {"latent": latent}
+            else:
                 try:
                     feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
                 except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
-                    reason = f"inputs the engine cannot take ({type(exc).__name__}: {exc})"
-            if reason is not None:
-                engines.torch_call(reason)
-            else:
-                out = engines.run(feed, need=("latent",))
+                    engines.torch_call(f"inputs the engine cannot take ({type(exc).__name__}: {exc})")
+                else:
+                    out = engines.run(feed, need=("latent",))
         finally:
             if scaled:  # torch (a fallback below) scales by itself
                 from diffusers.utils import unscale_lora_layers
@@ -182,13 +192,15 @@ class EngineUNet(EngineModule):
                 unscale_lora_layers(self.torch_module, scale)
         if out is None:
             return self.torch_fallback()(sample, timestep, encoder_hidden_states, *args, **kwargs)
-        latent = _out(out["latent"], sample, sample.dtype)
+        latent = out["latent"] if control else _out(out["latent"], sample, sample.dtype)
         return UNet2DConditionOutput(sample=latent) if return_dict else (latent,)
 
-    def _unsupported(self, args: tuple, kwargs: dict, lora_scale: float | None = None) -> str | None:
+    def _unsupported(self, args: tuple, kwargs: dict, lora_scale: float | None = None,
+                     control: bool = False) -> str | None:
         if args:
             return "positional arguments beyond (sample, timestep, encoder_hidden_states)"
-        used = [k for k in self._UNSUPPORTED if kwargs.get(k) is not None]
+        taken = ("down_block_additional_residuals", "mid_block_additional_residual") if control else ()
+        used = [k for k in self._UNSUPPORTED if kwargs.get(k) is not None and k not in taken]
         if used:
             return f"arguments the engine was not built for: {', '.join(used)}"
         cak = kwargs.get("cross_attention_kwargs")

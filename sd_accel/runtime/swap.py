@@ -28,23 +28,27 @@ def _set(pipe, name: str, module) -> None:
 
 
 def unswap(pipe) -> None:
-    """Put the torch modules back."""
+    """Put the torch modules back (and the ControlNets' own forward)."""
     for slot in SLOTS:
         module = getattr(pipe, slot, None)
         if isinstance(module, EngineModule):
             _set(pipe, slot, module.torch_module)
+    for wrapper in pipe.__dict__.pop("_sd_accel_controlnets", []):
+        wrapper.uninstall()
 
 
 @contextmanager
 def torch_modules(pipe):
     """Within the block, the pipeline holds its torch modules (for export, fingerprints, saving)."""
     saved = {slot: getattr(pipe, slot) for slot in SLOTS if isinstance(getattr(pipe, slot, None), EngineModule)}
+    nets = list(pipe.__dict__.get("_sd_accel_controlnets", []))
     unswap(pipe)
     try:
         yield pipe
     finally:
         for slot, module in saved.items():
             _set(pipe, slot, module)
+        _install_controlnets(pipe, nets)
 
 
 def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: str | None = None, *,
@@ -64,10 +68,14 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
     log says why.
     """
     from sd_accel.components import specs_for
+    from sd_accel.components.controlnet import CONTROL_UNET, control_specs
     from sd_accel.onnx.fingerprint import fingerprint
 
     unswap(pipe)
     specs = specs_for(pipe)
+    control = control_specs(pipe)  # a ControlNet pipeline's: its ControlNets and the residual-taking UNet
+    if CONTROL_UNET in control:
+        specs[CONTROL_UNET] = control[CONTROL_UNET]
     if builder is not None:
         builder.on_built = lambda component: _after_build(pipe, component, cache, park_weights)
     found: dict[str, int] = {}
@@ -76,7 +84,7 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         if module is None:
             continue
         engines: dict[str, ComponentEngines] = {}
-        for component in components:
+        for component in (*components, CONTROL_UNET) if slot == "unet" else components:
             if component not in specs:
                 continue
             # Hashing reads every weight: hand back the pages of memory-mapped ones as it goes.
@@ -93,16 +101,61 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         if served and park_weights:
             park(module, cache.root, slot)
             wrapper.remember_weights()  # parking moves data, never values: not a change
+    found.update(_swap_controlnets(pipe, control, cache, backend, fallback, prefer_precision, builder, park_weights))
     _guard_save(pipe)
     log.info("engines swapped in: %s%s", found, " (more are built on first use)" if builder is not None else "")
     return found
 
 
+def _swap_controlnets(pipe, control: dict, cache, backend, fallback: bool, prefer_precision: str | None,
+                      builder, park_weights: bool) -> dict[str, int]:
+    """Install an :class:`~sd_accel.runtime.control.EngineControlNet` on each ControlNet of
+    ``control`` (:func:`sd_accel.components.controlnet.control_specs`) that has engines (or all,
+    with ``builder``); the counts by :func:`~sd_accel.components.controlnet.control_key`."""
+    from sd_accel.components.controlnet import CONTROLNET
+    from sd_accel.onnx.fingerprint import fingerprint
+    from sd_accel.runtime.control import EngineControlNet
+
+    found: dict[str, int] = {}
+    wrappers = []
+    for key, spec in control.items():
+        if spec.name != CONTROLNET:
+            continue
+        net = spec.torch_module()
+        model = fingerprint(net, each=PageDropper() if park_weights else None)
+        engines = engines_for(cache, backend, model, CONTROLNET, fallback=fallback, prefer_precision=prefer_precision)
+        engines.builder = builder
+        found[key] = len(engines.handles)
+        if not (engines.handles or builder is not None):
+            continue
+        wrapper = EngineControlNet(net, {key: engines})
+        if engines.handles and park_weights:
+            park(net, cache.root, key)
+            wrapper.remember_weights()
+        wrappers.append(wrapper)
+    _install_controlnets(pipe, wrappers)
+    return found
+
+
+def _install_controlnets(pipe, wrappers: list) -> None:
+    for wrapper in wrappers:
+        wrapper.install()
+    if wrappers:
+        pipe.__dict__["_sd_accel_controlnets"] = list(wrappers)
+
+
+def controlnet_wrappers(pipe) -> list:
+    """The :class:`~sd_accel.runtime.control.EngineControlNet` of each ControlNet on engines."""
+    return list(pipe.__dict__.get("_sd_accel_controlnets", []))
+
+
 def _after_build(pipe, component: str, cache, park_weights: bool) -> None:
     """A new engine serves ``component``: park its module's weights, or, already parked, drop
     the pages the export and the validation read."""
-    slot = next(s for s, comps in SLOTS.items() if component in comps)
+    slot = next((s for s, comps in SLOTS.items() if component in comps), "unet")  # unet_control: the UNet's
     wrapper = getattr(pipe, slot, None)
+    if component == "controlnet":
+        return  # (its weights stay as they are: a ControlNet is small beside the UNet)
     if not isinstance(wrapper, EngineModule):
         return
     if parked(wrapper.torch_module) is not None:
@@ -115,8 +168,8 @@ def _after_build(pipe, component: str, cache, park_weights: bool) -> None:
 def set_build_progress(pipe, progress: bool | Callable[[Any], None]) -> None:
     """Where the builds of ``engines="auto"`` report: True (tqdm bars), False, or a callable
     taking :class:`sd_accel.build.BuildEvent` (a panel's progress bar)."""
-    for slot in SLOTS:
-        module = getattr(pipe, slot, None)
+    modules = [getattr(pipe, slot, None) for slot in SLOTS] + controlnet_wrappers(pipe)
+    for module in modules:
         if isinstance(module, EngineModule):
             for engines in module.engines.values():
                 if engines.builder is not None:
@@ -180,6 +233,9 @@ def set_fallback(pipe, allowed: bool) -> None:
         if isinstance(module, EngineModule):
             for engines in module.engines.values():
                 engines.set_fallback(allowed)
+    for wrapper in controlnet_wrappers(pipe):
+        for engines in wrapper.engines.values():
+            engines.set_fallback(allowed)
 
 
 def stats(pipe) -> dict[str, dict[str, Any]]:
@@ -193,4 +249,6 @@ def stats(pipe) -> dict[str, dict[str, Any]]:
         module = getattr(pipe, slot, None)
         if isinstance(module, EngineModule):
             out.update(module.component_stats())
+    for wrapper in controlnet_wrappers(pipe):
+        out.update(wrapper.component_stats())
     return out
