@@ -257,7 +257,8 @@ class EngineTextEncoder(EngineModule):
 
 
 class EngineVAE(EngineModule):
-    """Stands in for ``AutoencoderKL``: ``decode`` and ``encode`` on engines, the rest on torch."""
+    """Stands in for ``AutoencoderKL`` or ``AutoencoderTiny`` (TAESD): ``decode`` and ``encode`` on
+    engines, the rest on torch."""
 
     def forward(self, *args, **kwargs):
         return self.torch_fallback()(*args, **kwargs)
@@ -279,9 +280,16 @@ class EngineVAE(EngineModule):
 
         engines = self.engines.get("vae_encoder")
         fresh = engines is not None and self._fresh(engines)
-        moments = self._per_item(engines, "images", "moments", x) if fresh else None
+        from diffusers import AutoencoderTiny
+
+        tiny = isinstance(self.torch_module, AutoencoderTiny)  # TAESD: latents, no distribution
+        moments = self._per_item(engines, "images", "latents" if tiny else "moments", x) if fresh else None
         if moments is None:
             return self.torch_fallback().encode(x, return_dict=return_dict, **kwargs)
+        if tiny:
+            from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
+
+            return AutoencoderTinyOutput(latents=moments) if return_dict else (moments,)
         dist = DiagonalGaussianDistribution(moments)
         return AutoencoderKLOutput(latent_dist=dist) if return_dict else (dist,)
 
