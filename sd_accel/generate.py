@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -133,6 +134,12 @@ def generate(pipe, params: GenerationParams) -> GenerationResult:
         num_images_per_prompt=params.batch,
         generator=generator,
     )
+    if params.negative_prompt is None or not _takes(pipe, "negative_prompt"):
+        # LatentConsistencyModelPipeline has no negative prompt (no CFG); an unset one stays unset
+        if params.negative_prompt:
+            logging.getLogger("sd_accel").warning("%s takes no negative prompt (it runs without CFG); "
+                                                  "ignoring it", type(pipe).__name__)
+        kwargs.pop("negative_prompt")
     if params.width:
         kwargs["width"] = params.width
     if params.height:
@@ -143,6 +150,13 @@ def generate(pipe, params: GenerationParams) -> GenerationResult:
     finally:
         hook.remove()
     return GenerationResult(images, time.perf_counter() - start, params.steps, calls["n"], seed=seed)
+
+
+def _takes(pipe, name: str) -> bool:
+    import inspect
+
+    params = inspect.signature(pipe.__call__).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def save_png(image: Image.Image, path: str | Path, parameters: str) -> Path:

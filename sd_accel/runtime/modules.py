@@ -145,7 +145,7 @@ class EngineUNet(EngineModule):
     """Stands in for ``UNet2DConditionModel``; SDXL's added conditions included."""
 
     _UNSUPPORTED = (
-        "class_labels", "timestep_cond", "attention_mask", "down_block_additional_residuals",
+        "class_labels", "attention_mask", "down_block_additional_residuals",
         "mid_block_additional_residual", "down_intrablock_additional_residuals", "encoder_attention_mask",
     )
 
@@ -168,7 +168,8 @@ class EngineUNet(EngineModule):
             reason = self.stale() or self._unsupported(args, kwargs, lora_scale=scale)
             if reason is None:
                 try:
-                    feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
+                    feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"),
+                                      kwargs.get("timestep_cond"))
                 except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
                     reason = f"inputs the engine cannot take ({type(exc).__name__}: {exc})"
             if reason is not None:
@@ -189,8 +190,14 @@ class EngineUNet(EngineModule):
         if args:
             return "positional arguments beyond (sample, timestep, encoder_hidden_states)"
         used = [k for k in self._UNSUPPORTED if kwargs.get(k) is not None]
+        guided = self.torch_module.config.get("time_cond_proj_dim") is not None
+        if kwargs.get("timestep_cond") is not None and not guided:
+            used.append("timestep_cond")
         if used:
             return f"arguments the engine was not built for: {', '.join(used)}"
+        if guided and kwargs.get("timestep_cond") is None:
+            # the torch UNet then skips its cond_proj; the engine always applies it
+            return "no timestep_cond for a UNet with time_cond_proj_dim (its engine takes one on every call)"
         cak = kwargs.get("cross_attention_kwargs")
         if cak and lora_scale is None:
             return f"cross_attention_kwargs {sorted(cak)} are not in the engine"
@@ -200,7 +207,7 @@ class EngineUNet(EngineModule):
                     "serves it on the engines")
         return None
 
-    def _feed(self, sample, timestep, ehs, added) -> dict[str, torch.Tensor]:
+    def _feed(self, sample, timestep, ehs, added, timestep_cond=None) -> dict[str, torch.Tensor]:
         batch = sample.shape[0]
         t = torch.as_tensor(timestep, device=sample.device).float().reshape(-1)
         if t.numel() == 1:
@@ -209,6 +216,10 @@ class EngineUNet(EngineModule):
         if added:
             feed["text_embeds"] = added["text_embeds"].float()
             feed["time_ids"] = added["time_ids"].float()
+        if timestep_cond is not None:
+            # StableDiffusionPipeline passes one row per image even under CFG; the UNet broadcasts it
+            cond = timestep_cond.float()
+            feed["timestep_cond"] = cond.expand(batch, -1).contiguous() if cond.shape[0] == 1 else cond
         return feed
 
 
