@@ -131,3 +131,14 @@ def test_generate_on_an_lcm_pipeline_without_a_negative_prompt_argument(lcm_sd15
     finally:
         hook.remove()
     assert result.unet_calls == 1 and len(encodes) == 1  # the negative prompt is never encoded
+
+
+@pytest.mark.slow
+def test_cli_build_no_cfg_makes_one_row_per_image_unet_engines(tmp_path, capsys):
+    from sd_accel import EngineCache
+    from sd_accel.cli import main
+
+    assert main(["build", "--model", "builtin:tiny-sd15", "--components", "unet", "--height", "64", "--width", "64",
+                 "--static", "--no-cfg", "--backend", "onnxruntime", "--engine-dir", str(tmp_path), "--json"]) == 0
+    (record,) = EngineCache(tmp_path).list()
+    assert record.key.profile.endswith(".nocfg") and record.shapes["sample"][0][0] == 1
