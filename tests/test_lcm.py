@@ -142,3 +142,24 @@ def test_cli_build_no_cfg_makes_one_row_per_image_unet_engines(tmp_path, capsys)
                  "--static", "--no-cfg", "--backend", "onnxruntime", "--engine-dir", str(tmp_path), "--json"]) == 0
     (record,) = EngineCache(tmp_path).list()
     assert record.key.profile.endswith(".nocfg") and record.shapes["sample"][0][0] == 1
+
+
+@pytest.mark.slow
+def test_the_few_step_recipe_lcm_unet_and_taesd_on_auto_built_engines(tmp_path):
+    """README's recipe: engines="auto" builds a one-row UNet engine and a TAESD decoder engine on
+    first use, and the image matches torch."""
+
+    from sd_accel import AccelConfig
+
+    from support.taesd_files import tiny_autoencoder, write_layouts
+
+    paths = write_layouts(tiny_autoencoder(), tmp_path / "taesd")
+    pipe = tiny_lcm_pipeline("sd15")
+    tiny = f"tiny:{paths['single']}"
+    ref = _run(accelerate(pipe, AccelConfig(precision="fp32", vae=tiny)))
+    accelerate(pipe, AccelConfig(precision="fp32", vae=tiny, engines="auto", backend="onnxruntime",
+                                 engine_dir=str(tmp_path / "engines")))
+    assert np.abs(_run(pipe) - ref).max() < 1e-3
+    s = stats(pipe)
+    assert s["unet"]["engine_calls"] == 2 and s["vae_decoder"]["engine_calls"] == 1
+    assert s["unet"]["torch_calls"] == 0 and s["vae_decoder"]["torch_calls"] == 0
