@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from sd_accel import accelerate, build_engines, load_pipeline, stats
+from sd_accel import AccelConfig, accelerate, build_engines, load_pipeline, stats
 from sd_accel.autobuild import profile_for_call
 from sd_accel.components import UNetSpec
 from sd_accel.profiles import Profile
 
 from support.lcm import COND_DIM, tiny_lcm_pipeline
+from support.taesd_files import tiny_autoencoder, write_layouts
 
 STATIC = dict(batch=1, height=64, width=64)
 
@@ -148,11 +149,6 @@ def test_cli_build_no_cfg_makes_one_row_per_image_unet_engines(tmp_path, capsys)
 def test_the_few_step_recipe_lcm_unet_and_taesd_on_auto_built_engines(tmp_path):
     """README's recipe: engines="auto" builds a one-row UNet engine and a TAESD decoder engine on
     first use, and the image matches torch."""
-
-    from sd_accel import AccelConfig
-
-    from support.taesd_files import tiny_autoencoder, write_layouts
-
     paths = write_layouts(tiny_autoencoder(), tmp_path / "taesd")
     pipe = tiny_lcm_pipeline("sd15")
     tiny = f"tiny:{paths['single']}"
