@@ -83,11 +83,14 @@ def test_accelerate_on_a_tiny_vae_pipeline_runs_decodes_latents_as_they_are_and_
     assert type(pipe.vae).__name__ == "AutoencoderTiny"
 
 
-def test_cli_flag_maps_to_the_config():
+def test_cli_and_serve_flags_map_to_the_config():
     from sd_accel.cli import build_parser
+    from sd_accel.serve.cli import config_from_args
 
     args = build_parser().parse_args(["generate", "--tiny-vae", "/m/taesd_decoder.safetensors"])
     assert args.tiny_vae == "/m/taesd_decoder.safetensors"
+    served = config_from_args(build_parser().parse_args(["serve", "--tiny-vae", "/m/taesd_decoder.safetensors"]))
+    assert served.accel.vae == "tiny:/m/taesd_decoder.safetensors"
 
 
 @pytest.mark.slow
