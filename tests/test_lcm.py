@@ -159,3 +159,26 @@ def test_the_few_step_recipe_lcm_unet_and_taesd_on_auto_built_engines(tmp_path):
     s = stats(pipe)
     assert s["unet"]["engine_calls"] == 2 and s["vae_decoder"]["engine_calls"] == 1
     assert s["unet"]["torch_calls"] == 0 and s["vae_decoder"]["torch_calls"] == 0
+
+
+@pytest.mark.slow
+def test_turbo_style_cfg_0_runs_one_row_per_image_on_an_auto_built_static_engine(tmp_path):
+    """SD-Turbo's recipe (the SD 2.x architecture, 1 step, CFG 0): one UNet row per image, served by a
+    static one-row engine that engines="auto" builds, and the negative prompt never encoded."""
+    pipe = load_pipeline("builtin:tiny-sd2")
+    config = AccelConfig(precision="fp32", sampler="Euler a SGM Uniform")
+    ref = _run(accelerate(pipe, config), steps=1, guidance_scale=0.0)
+    accelerate(pipe, config, engines="auto", backend="onnxruntime", engine_dir=str(tmp_path))
+    rows, encodes = [], []
+    hooks = [pipe.unet.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0])),
+             pipe.text_encoder.register_forward_pre_hook(lambda *_: encodes.append(1))]
+    try:
+        out = _run(pipe, steps=1, guidance_scale=0.0, negative_prompt="blurry")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert np.abs(out - ref).max() < 1e-3
+    assert rows == [1] and len(encodes) == 1
+    s = stats(pipe)["unet"]
+    assert s["engine_calls"] == 1 and s["torch_calls"] == 0
+    assert ".static.b1." in s["builds"][0] and ".nocfg." in s["builds"][0]
