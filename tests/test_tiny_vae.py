@@ -30,7 +30,7 @@ def _run(pipe, steps: int = 2, **kwargs) -> np.ndarray:
                 **kwargs).images
 
 
-@pytest.mark.parametrize("layout", ["diffusers", "single", "single-folder"])
+@pytest.mark.parametrize("layout", ["diffusers", "single", "single-folder", "prefixed"])
 def test_every_file_layout_loads_the_same_autoencoder(taesd, layout):
     vae, paths = taesd
     path = paths["single"].parent if layout == "single-folder" else paths[layout]

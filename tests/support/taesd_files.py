@@ -19,7 +19,8 @@ def tiny_autoencoder(seed: int = 0):
 
 def write_layouts(vae, root: Path) -> dict[str, Path]:
     """``diffusers`` (a from_pretrained folder), ``single`` (taesd_decoder/encoder.safetensors with
-    the original bare ``N.weight`` keys: the decoder's index 0 is its Clamp), ``decoder_only``."""
+    the original bare ``N.weight`` keys: the decoder's index 0 is its Clamp), ``decoder_only``, and
+    ``prefixed`` (one file, ``taesd_decoder.N.weight`` / ``taesd_encoder.N.weight``)."""
     from safetensors.torch import save_file
 
     sd = vae.state_dict()
@@ -31,5 +32,9 @@ def write_layouts(vae, root: Path) -> dict[str, Path]:
         (root / name).mkdir(parents=True)
         save_file(dec, str(root / name / "taesd_decoder.safetensors"))
     save_file(enc, str(root / "single" / "taesd_encoder.safetensors"))
+    # ComfyUI's merged state dict: both halves in one file under prefixes
+    save_file({**{f"taesd_decoder.{k}": v for k, v in dec.items()}, **{f"taesd_encoder.{k}": v for k, v in enc.items()}},
+              str(root / "taesd_merged.safetensors"))
     return {"diffusers": root / "diffusers", "single": root / "single" / "taesd_decoder.safetensors",
-            "decoder_only": root / "decoder_only" / "taesd_decoder.safetensors"}
+            "decoder_only": root / "decoder_only" / "taesd_decoder.safetensors",
+            "prefixed": root / "taesd_merged.safetensors"}
