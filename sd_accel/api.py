@@ -219,6 +219,10 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
     from sd_accel.runtime.swap import unswap
 
     unswap(pipe)  # torch options apply to the torch modules; engines are swapped in last
+    if config.vae is not None or "_sd_accel_own_vae" in pipe.__dict__:
+        from sd_accel.optimize.vae_choice import use_vae
+
+        use_vae(pipe, config.vae)
     vae = getattr(pipe, "vae", None)
     vae_dtype = vae_dtype_for(vae, dtype, config.vae_precision) if vae is not None else dtype
     for module in pipe.components.values():

@@ -75,15 +75,16 @@ def profile_for_call(spec, feed: dict[str, torch.Tensor]) -> Profile | None:
     height = dims.get("H") or dims.get("H8", 0) * scale or default
     width = dims.get("W") or dims.get("W8", 0) * scale or default
     tokens = dims.get("T", TOKEN_CHUNK)
-    if "B2" in dims:  # the UNet: a static profile of batch b serves 2b rows
+    if "B2" in dims:  # the UNet: a static profile of batch b serves 2b rows, or b without CFG
         rows = dims["B2"]
-        batches = [(rows // 2,) * 3] if rows % 2 == 0 else []
-        batches.append((1, 1, max(2, math.ceil(rows / 2))))
+        batches = [((rows // 2,) * 3, True)] if rows % 2 == 0 else []
+        batches.append(((rows,) * 3, False))  # CFG <= 1, or a guidance-embedded (LCM) UNet
+        batches.append(((1, 1, max(2, math.ceil(rows / 2))), True))
     else:
-        batches = [(dims.get("B", 1),) * 3]
-    for batch in batches:
+        batches = [((dims.get("B", 1),) * 3, True)]
+    for batch, cfg in batches:
         try:
-            profile = Profile(batch=batch, height=height, width=width, tokens=tokens)
+            profile = Profile(batch=batch, height=height, width=width, tokens=tokens, cfg=cfg)
         except ValueError:
             return None
         if covers(spec.shape_ranges(profile), feed):

@@ -62,6 +62,8 @@ def _feed_from_call(spec, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
             batch = v.shape[0]
         if name == "timestep" and batch is not None:
             v = v.reshape(-1).expand(batch) if v.numel() in (1, batch) else v
+        if name == "timestep_cond" and batch is not None and v.shape[0] == 1:
+            v = v.expand(batch, -1)  # one row per image even under CFG: the UNet broadcasts it
         out[name] = _np(v, dtypes[name])
     return out
 

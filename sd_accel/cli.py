@@ -48,7 +48,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     config = AccelConfig(precision=args.precision, attention=args.attention, offload=args.offload,
                          sampler=args.sampler, engines=args.engines, engine_dir=args.engine_dir,
-                         backend=args.backend, engine_precision=args.engine_precision)
+                         backend=args.backend, engine_precision=args.engine_precision,
+                         vae=f"tiny:{args.tiny_vae}" if args.tiny_vae else None)
     t0 = time.perf_counter()
     pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
     extra = {}
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--attention", choices=ATTENTION, default="auto")
     gen.add_argument("--precision", choices=PRECISION, default="auto")
     gen.add_argument("--offload", choices=OFFLOAD, default="none")
+    gen.add_argument("--tiny-vae", default=None, metavar="PATH",
+                     help="decode with the tiny autoencoder (TAESD): a diffusers folder or taesd_decoder.safetensors")
     gen.add_argument("--allow-pickle", action="store_true", help="allow .ckpt pickle checkpoints (they can run code)")
     gen.add_argument("--engines", nargs="?", const=True, default=False, type=_engines_flag, metavar="auto|on|off",
                      help="run on the engines built for this model (alone or 'on'); 'auto' also builds one first "

@@ -100,6 +100,14 @@ def _cmd_build(args: argparse.Namespace) -> int:
         from sd_accel import with_controlnets
 
         pipe = with_controlnets(pipe, args.controlnet, allow_pickle=args.allow_pickle)
+    if args.no_cfg:  # Turbo, LCM-LoRA at CFG 1: one UNet row per image (LCM-distilled UNets need no flag)
+        from dataclasses import replace
+
+        from sd_accel.profiles import default_preset
+        from sd_accel.profiles import preset as preset_profile
+
+        base = profiles or [preset_profile(preset or default_preset(pipe.sd_accel_model.family))]
+        preset, profiles = None, [replace(p, cfg=False) for p in base]
     components = _components(args.components, engine_components(pipe) + (
         ["controlnet", "unet_control"] if args.controlnet else []))
     start = time.perf_counter()
@@ -271,6 +279,8 @@ def add_commands(sub, engine_args) -> None:
     for dim in ("batch", "height", "width", "tokens"):
         b.add_argument(f"--{dim}", type=_range_arg(dim), default=None, help="N, MIN-MAX (opt = MIN) or MIN-OPT-MAX")
     b.add_argument("--static", action="store_true", help="a static profile from single values")
+    b.add_argument("--no-cfg", action="store_true",
+                   help="UNet engines for CFG <= 1 (Turbo, LCM-LoRA): one row per image, not two")
     b.add_argument("--components", default=None, help="comma list: unet,vae,clip (default: all)")
     b.add_argument("--backend", choices=BACKENDS, default="auto")
     b.add_argument("--precision", choices=("auto", *ENGINE_PRECISIONS), default="auto",

@@ -49,6 +49,8 @@ class AccelConfig:
       ``bf16`` UNet, say), use this one first; components without an engine of that precision
       use the others. ``None``: static engines first, then the nearest profile, then the faster
       precision (int8 before bf16/fp16 before fp32).
+    - ``vae``: ``None`` the model's own VAE; ``"tiny:PATH"`` the tiny autoencoder (TAESD/TAESDXL:
+      a diffusers folder or ``taesd_decoder.safetensors``) decodes instead, on engines too.
 
     >>> AccelConfig(precision="fp16", sampler="Euler a").precision
     'fp16'
@@ -70,6 +72,7 @@ class AccelConfig:
     backend: str = "auto"
     engine_fallback: bool = True
     engine_precision: str | None = None
+    vae: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISION)
@@ -88,6 +91,10 @@ class AccelConfig:
             self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")
         ):
             raise InvalidValue(f"AccelConfig.device={self.device!r} is not valid; allowed: auto, cpu, cuda, cuda:N, mps")
+        if self.vae is not None:
+            from sd_accel.optimize.vae_choice import check_vae_choice
+
+            check_vae_choice(self.vae)
         if self.sampler is not None:
             from sd_accel.samplers import resolve
 

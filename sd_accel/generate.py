@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,6 +47,7 @@ class GenerationParams:
     batch: int = 1
     seed: int = 0
     sampler: str | None = None
+    eta: float | None = None  # the stochastic samplers' noise share (TCD: 0.3 is its default); None: the pipeline's
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -58,6 +60,9 @@ class GenerationParams:
         cfg = self.cfg
         if isinstance(cfg, bool) or not isinstance(cfg, int | float) or not math.isfinite(cfg) or not 0 <= cfg <= 100:
             _bad("cfg", cfg, "a finite number from 0 to 100")
+        eta = self.eta
+        if eta is not None and (isinstance(eta, bool) or not isinstance(eta, int | float) or not 0 <= eta <= 1):
+            _bad("eta", eta, "a number from 0 to 1, or None")
         for side in ("width", "height"):
             value = getattr(self, side)
             if value is None:
@@ -133,6 +138,14 @@ def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None
         num_images_per_prompt=params.batch,
         generator=generator,
     )
+    if params.negative_prompt is None or not _takes(pipe, "negative_prompt"):
+        # LatentConsistencyModelPipeline has no negative prompt (no CFG); an unset one stays unset
+        if params.negative_prompt:
+            logging.getLogger("sd_accel").warning("%s takes no negative prompt (it runs without CFG); "
+                                                  "ignoring it", type(pipe).__name__)
+        kwargs.pop("negative_prompt")
+    if params.eta is not None:
+        kwargs["eta"] = float(params.eta)
     if params.width:
         kwargs["width"] = params.width
     if params.height:
@@ -144,6 +157,13 @@ def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None
     finally:
         hook.remove()
     return GenerationResult(images, time.perf_counter() - start, params.steps, calls["n"], seed=seed)
+
+
+def _takes(pipe, name: str) -> bool:
+    import inspect
+
+    params = inspect.signature(pipe.__call__).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def save_png(image: Image.Image, path: str | Path, parameters: str) -> Path:

@@ -87,6 +87,10 @@ class Profile:
     height: Range
     width: Range
     tokens: Range = (TOKEN_CHUNK, TOKEN_CHUNK, TOKEN_CHUNK)
+    # False: the UNet runs one row per image (CFG <= 1: Turbo, LCM-LoRA at CFG 1), so a static
+    # engine of batch b takes b rows, not 2b. A guidance-embedded (LCM-distilled) UNet never
+    # doubles, whatever this says. Tagged ``.nocfg``.
+    cfg: bool = True
 
     def __post_init__(self) -> None:
         for name in ("batch", "height", "width", "tokens"):
@@ -105,9 +109,9 @@ class Profile:
             return value
         if not isinstance(value, dict):
             raise InvalidValue(f"a profile must be a Profile or a dict, got {type(value).__name__}")
-        unknown = set(value) - {"batch", "height", "width", "tokens"}
+        unknown = set(value) - {"batch", "height", "width", "tokens", "cfg"}
         if unknown:
-            raise InvalidValue(f"unknown profile fields {sorted(unknown)}; use batch, height, width, tokens")
+            raise InvalidValue(f"unknown profile fields {sorted(unknown)}; use batch, height, width, tokens (and cfg)")
         missing = {"batch", "height", "width"} - set(value)
         if missing:
             raise InvalidValue(f"profile dict lacks {sorted(missing)}")
@@ -125,9 +129,10 @@ class Profile:
             return f"{letter}{r[0]}" if r[0] == r[2] else f"{letter}{r[0]}-{r[2]}"
 
         body = ".".join(part(k[0], getattr(self, k)) for k in ("batch", "height", "width", "tokens"))
+        suffix = "" if self.cfg else ".nocfg"
         if self.static:
-            return "static." + body
-        return f"{body}.opt{self.batch[1]}x{self.height[1]}x{self.width[1]}"
+            return "static." + body + suffix
+        return f"{body}.opt{self.batch[1]}x{self.height[1]}x{self.width[1]}{suffix}"
 
     @classmethod
     def from_tag(cls, tag: str) -> Profile:
@@ -139,6 +144,8 @@ class Profile:
         (64, 64, 136)
         """
         body, opt_text = tag, None
+        cfg = not body.endswith(".nocfg")
+        body = body.removesuffix(".nocfg")
         if body.startswith("static."):
             body = body[len("static."):]
         else:
@@ -152,7 +159,7 @@ class Profile:
                 opts = [int(v) for v in opt_text.split("x")]
                 for d, value in zip(DIMENSIONS[:3], opts, strict=True):
                     ranges[d] = (ranges[d][0], value, ranges[d][2])
-            profile = cls(**ranges)
+            profile = cls(**ranges, cfg=cfg)
         except ValueError:
             profile = None
         if profile is None or profile.tag != tag:
@@ -162,8 +169,11 @@ class Profile:
             )
         return profile
 
-    def to_dict(self) -> dict[str, list[int]]:
-        return {k: list(getattr(self, k)) for k in ("batch", "height", "width", "tokens")}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: list(getattr(self, k)) for k in ("batch", "height", "width", "tokens")}
+        if not self.cfg:
+            out["cfg"] = False
+        return out
 
 
 PRESETS: dict[str, Profile] = {

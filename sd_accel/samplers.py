@@ -145,6 +145,9 @@ _SAMPLERS: tuple[_Sampler, ...] = (
     ),
     # LCMScheduler ignores timestep_spacing: it always walks its own distilled timestep grid.
     _Sampler("LCM", "LCMScheduler", schedules=(AUTOMATIC,), stochastic=True),
+    # Trajectory Consistency Distillation (TCD-LoRA / TCD models): its stochasticity is the call's
+    # ``eta`` (the paper's gamma; 0.3 is its default, 0 deterministic): GenerationParams(eta=...).
+    _Sampler("TCD", "TCDScheduler", schedules=(AUTOMATIC,), stochastic=True),
     # Not in the WebUI (ComfyUI and Forge call it "deis"); offered because diffusers has it.
     _Sampler("DEIS", "DEISMultistepScheduler", (("algorithm_type", "deis"), ("solver_order", 2))),
 )

@@ -166,7 +166,8 @@ def test_profile_for_call_covers_the_call(tiny_sd15):
     p = profile_for_call(unet, feed)
     assert p.static and (p.batch, p.height, p.width, p.tokens) == ((1,) * 3, (72,) * 3, (96,) * 3, (154,) * 3)
     odd = unet.sample_feed({"B2": 3, "H8": 8, "W8": 8, "T": 77})  # guidance off, 3 images
-    assert profile_for_call(unet, odd).batch == (1, 1, 2)
+    got = profile_for_call(unet, odd)  # one row per image: a static CFG-off engine, not a dynamic batch
+    assert got.static and not got.cfg and got.batch == (3, 3, 3)
     assert profile_for_call(unet, unet.sample_feed({"B2": 2, "H8": 8, "W8": 8, "T": 80})) is None
     clip = specs["clip"]
     p = profile_for_call(clip, clip.sample_feed({"B": 1}))

@@ -63,6 +63,7 @@ EXPECTED: dict[str, tuple[str, dict]] = {
         {"solver_type": "bh2", "solver_order": 2, "predict_x0": True, **_KARRAS},
     ),
     "LCM": ("LCMScheduler", {}),
+    "TCD": ("TCDScheduler", {}),
     "DEIS": ("DEISMultistepScheduler", {"algorithm_type": "deis", "solver_order": 2}),
     "DEIS Exponential": (
         "DEISMultistepScheduler",
@@ -71,7 +72,7 @@ EXPECTED: dict[str, tuple[str, dict]] = {
 }
 
 SECOND_ORDER = {"Heun", "DPM2", "DPM2 a", "DPM++ SDE"}
-STOCHASTIC = {"Euler a", "DPM2 a", "DPM++ SDE", "DPM++ 2M SDE", "DPM++ 2M SDE Heun", "LCM"}
+STOCHASTIC = {"Euler a", "DPM2 a", "DPM++ SDE", "DPM++ 2M SDE", "DPM++ 2M SDE Heun", "LCM", "TCD"}
 
 
 def _copy(pipe):

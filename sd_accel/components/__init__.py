@@ -10,6 +10,7 @@ import logging
 
 from sd_accel.components.clip import Clip2Spec, ClipSpec
 from sd_accel.components.spec import ComponentSpec, TensorSpec
+from sd_accel.components.tiny_vae import TinyVaeDecoderSpec, TinyVaeEncoderSpec, is_tiny_vae
 from sd_accel.components.unet import UNetSpec, export_latent_size, vae_scale_factor
 from sd_accel.components.vae import VaeDecoderSpec, VaeEncoderSpec
 from sd_accel.core import COMPONENTS as NAMES
@@ -21,6 +22,8 @@ _SPECS: tuple[type[ComponentSpec], ...] = (ClipSpec, Clip2Spec, UNetSpec, VaeDec
 COMPONENTS: tuple[str, ...] = tuple(cls.name for cls in _SPECS)
 # The specs are the names core.COMPONENTS lists (the faces read that one without importing torch).
 assert COMPONENTS == NAMES, (COMPONENTS, NAMES)
+# The tiny autoencoder (TAESD) serves the same two components through its own specs.
+_TINY: dict[str, type[ComponentSpec]] = {"vae_decoder": TinyVaeDecoderSpec, "vae_encoder": TinyVaeEncoderSpec}
 
 
 def specs_for(pipe) -> dict[str, ComponentSpec]:
@@ -32,8 +35,11 @@ def specs_for(pipe) -> dict[str, ComponentSpec]:
     """
     out: dict[str, ComponentSpec] = {}
     for cls in _SPECS:
-        if getattr(pipe, PIPELINE_ATTRIBUTE[cls.name], None) is None:
+        module = getattr(pipe, PIPELINE_ATTRIBUTE[cls.name], None)
+        if module is None:
             continue
+        if cls.name in _TINY and is_tiny_vae(getattr(module, "torch_module", module)):
+            cls = _TINY[cls.name]
         try:
             out[cls.name] = cls(pipe)
         except UnsupportedComponent as exc:
@@ -47,6 +53,8 @@ __all__ = [
     "ClipSpec",
     "ComponentSpec",
     "TensorSpec",
+    "TinyVaeDecoderSpec",
+    "TinyVaeEncoderSpec",
     "UNetSpec",
     "UnsupportedComponent",
     "VaeDecoderSpec",

@@ -1,7 +1,10 @@
 """The denoising UNet: SD 1.x, SD 2.x, SDXL (``text_embeds``/``time_ids``) and inpainting variants.
 
 Engine inputs: ``sample`` (B2, C_in, H8, W8), ``timestep`` (B2,), ``encoder_hidden_states``
-(B2, T, D), and for SDXL ``text_embeds`` (B2, P) and ``time_ids`` (B2, N_ids); all float32.
+(B2, T, D), and for SDXL ``text_embeds`` (B2, P) and ``time_ids`` (B2, N_ids); for a UNet with
+``time_cond_proj_dim`` (every LCM-distilled UNet: the guidance scale goes in as an embedding, no CFG
+batch) ``timestep_cond`` (B2, time_cond_proj_dim), last; all float32. What is there is read from the
+config, not from a family table, so other shapes (SDXS's slimmer UNet) take the same path.
 Engine output: ``latent`` (B2, C_out, H8, W8). ``C_in`` comes from the config, so an inpainting
 UNet (9 channels: latents + mask + masked-image latents) needs nothing special.
 
@@ -51,15 +54,18 @@ def export_latent_size(num_upsamplers: int) -> int:
 class _UNetExport(torch.nn.Module):
     """Positional inputs in inputs() order, a one-tuple out."""
 
-    def __init__(self, unet: torch.nn.Module, xl: bool) -> None:
+    def __init__(self, unet: torch.nn.Module, xl: bool, guidance_embedded: bool = False) -> None:
         super().__init__()
         self.unet = unet
         self.xl = xl
+        self.guidance_embedded = guidance_embedded
 
     def forward(self, sample, timestep, encoder_hidden_states, *added):
         added_cond_kwargs = {"text_embeds": added[0], "time_ids": added[1]} if self.xl else None
+        timestep_cond = added[-1] if self.guidance_embedded else None
         out = self.unet(
-            sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs, return_dict=False
+            sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
+            timestep_cond=timestep_cond, return_dict=False,
         )[0]
         return (out,)
 
@@ -84,6 +90,11 @@ class UNetSpec(ComponentSpec):
     def xl(self) -> bool:
         return self._cfg.get("addition_embed_type") == "text_time"
 
+    @property
+    def guidance_embedded(self) -> bool:
+        """An LCM-distilled UNet: ``timestep_cond`` carries the guidance-scale embedding."""
+        return self._cfg.get("time_cond_proj_dim") is not None
+
     def _check_supported(self) -> None:
         cfg = self._cfg
         problems = []
@@ -91,8 +102,6 @@ class UNetSpec(ComponentSpec):
             problems.append(f"addition_embed_type={cfg.get('addition_embed_type')!r}")
         if cfg.get("class_embed_type") is not None:
             problems.append(f"class_embed_type={cfg.get('class_embed_type')!r} (class labels)")
-        if cfg.get("time_cond_proj_dim") is not None:
-            problems.append("time_cond_proj_dim (guidance-embedding timestep_cond)")
         if cfg.get("encoder_hid_dim_type") not in (None, "text_proj"):
             problems.append(f"encoder_hid_dim_type={cfg.get('encoder_hid_dim_type')!r} (image adapters)")
         if problems:
@@ -130,21 +139,27 @@ class UNetSpec(ComponentSpec):
             TensorSpec("timestep", ("B2",), f32),
             TensorSpec("encoder_hidden_states", ("B2", "T", self._context_dim()), f32),
         )
-        if not self.xl:
-            return base
-        pooled, n_ids = self._added_dims()
-        return (*base, TensorSpec("text_embeds", ("B2", pooled), f32), TensorSpec("time_ids", ("B2", n_ids), f32))
+        if self.xl:
+            pooled, n_ids = self._added_dims()
+            base = (*base, TensorSpec("text_embeds", ("B2", pooled), f32), TensorSpec("time_ids", ("B2", n_ids), f32))
+        if self.guidance_embedded:
+            base = (*base, TensorSpec("timestep_cond", ("B2", int(cfg.time_cond_proj_dim)), f32))
+        return base
 
     def outputs(self) -> tuple[TensorSpec, ...]:
         return (TensorSpec("latent", ("B2", self._cfg.out_channels, "H8", "W8"), torch.float32),)
 
     def export_module(self) -> torch.nn.Module:
-        return _UNetExport(self.pipe.unet, self.xl)
+        return _UNetExport(self.pipe.unet, self.xl, self.guidance_embedded)
 
     def dim_ranges(self, profile: Profile) -> dict[str, Range]:
         lo, opt, hi = profile.batch
-        # Classifier-free guidance runs cond and uncond together (2B) or apart (B).
-        b2 = (2 * lo, 2 * opt, 2 * hi) if profile.static else (lo, 2 * opt, 2 * hi)
+        if self.guidance_embedded or not profile.cfg:
+            # No CFG batch (diffusers never doubles a UNet with time_cond_proj_dim): B rows.
+            b2 = profile.batch
+        else:
+            # Classifier-free guidance runs cond and uncond together (2B) or apart (B).
+            b2 = (2 * lo, 2 * opt, 2 * hi) if profile.static else (lo, 2 * opt, 2 * hi)
         scale = vae_scale_factor(self.pipe)
         return {
             "B2": b2,
@@ -169,6 +184,8 @@ class UNetSpec(ComponentSpec):
         feed["timestep"] = torch.randint(0, steps, feed["timestep"].shape, generator=g).float()
         if "time_ids" in feed:
             feed["time_ids"] = torch.randint(0, 1025, feed["time_ids"].shape, generator=g).float()
+        if "timestep_cond" in feed:  # a sin/cos embedding of the guidance scale: values in [-1, 1]
+            feed["timestep_cond"] = torch.rand(feed["timestep_cond"].shape, generator=g) * 2 - 1
         return {k: v.to(device) for k, v in feed.items()}
 
     def _num_train_timesteps(self) -> int:

@@ -14,6 +14,9 @@ OPENCLIP_SD2 = "cond_stage_model.model."
 XL_TE1 = "conditioner.embedders.0.transformer."
 XL_TE2 = "conditioner.embedders.1.model."
 XL_REFINER_TE = "conditioner.embedders.0.model."
+# LCM-distilled UNets (LCM Dreamshaper, LCM-SDXL ...): the guidance-scale embedding's projection.
+# No original-layout name exists; diffusers' conversion to a single file keeps its own.
+LCM_COND_PROJ = UNET + "time_embedding.cond_proj.weight"
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class Detected:
     family: str
     inpaint: bool
     text_layout: str  # "clip-l", "openclip", "sdxl"
+    guidance_embedded: bool = False  # an LCM-distilled UNet (time_cond_proj_dim, no CFG batch)
 
     @property
     def is_xl(self) -> bool:
@@ -51,6 +55,18 @@ def _describe_foreign(shapes: Shapes) -> str:
 
 
 def detect(shapes: Shapes, name: str = "checkpoint") -> Detected:
+    """Detect the family of a checkpoint in the original (LDM/SGM) key layout, and whether its UNet
+    is LCM-distilled (a guidance embedding, ``time_embedding.cond_proj``).
+
+    >>> detect(read_shapes(Path("LCM_Dreamshaper_v7.safetensors"))).guidance_embedded  # doctest: +SKIP
+    True
+    """
+    from dataclasses import replace
+
+    return replace(_detect(shapes, name), guidance_embedded=LCM_COND_PROJ in shapes)
+
+
+def _detect(shapes: Shapes, name: str) -> Detected:
     """Detect the family of a checkpoint in the original (LDM/SGM) key layout.
 
     >>> detect(read_shapes(Path("v1-5-pruned-emaonly.safetensors")))  # doctest: +SKIP

@@ -12,7 +12,16 @@ from typing import Any
 
 from sd_accel.core import CheckpointError
 from sd_accel.models.checkpoint import Shapes
-from sd_accel.models.detect import CLIP_L_SD1, OPENCLIP_SD2, UNET, VAE, XL_TE1, XL_TE2, Detected
+from sd_accel.models.detect import (
+    CLIP_L_SD1,
+    LCM_COND_PROJ,
+    OPENCLIP_SD2,
+    UNET,
+    VAE,
+    XL_TE1,
+    XL_TE2,
+    Detected,
+)
 
 HEAD_WIDTH = 64
 Overrides = dict[str, dict[str, Any]]
@@ -69,6 +78,8 @@ def fit_unet(shapes: Shapes, det: Detected, base: dict[str, Any], te2_proj: int 
     }
     if first_attn:
         out["cross_attention_dim"] = shapes[first_attn][1]
+    if LCM_COND_PROJ in shapes:  # (TimestepEmbedding.cond_proj: Linear(time_cond_proj_dim, C, bias=False))
+        out["time_cond_proj_dim"] = shapes[LCM_COND_PROJ][1]
     linear = [lvl["linear"] for lvl in levels if lvl["linear"] is not None]
     if linear:
         out["use_linear_projection"] = linear[0]

@@ -70,7 +70,24 @@ def _configs_for(det: Detected, family: str, shapes: dict, prediction_type: str 
     if det.inpaint:
         index = configs["model_index.json"]
         index["_class_name"] = _INPAINT_CLASSES[index["_class_name"]]
+    if det.guidance_embedded:  # LCM-distilled: its own sampler (the UNet was distilled for it)
+        configs["model_index.json"]["scheduler"] = ["diffusers", "LCMScheduler"]
+        configs["scheduler/scheduler_config.json"]["_class_name"] = "LCMScheduler"
     return configs
+
+
+def _load_guidance_embedding(pipe, path: Path) -> None:
+    """diffusers' single-file conversion drops ``time_embedding.cond_proj`` (it has no original-layout
+    name): the UNet the config built has the layer, filled here from the file."""
+    from safetensors import safe_open
+
+    from sd_accel.models.detect import LCM_COND_PROJ
+
+    with safe_open(str(path), framework="pt") as f:
+        weight = f.get_tensor(LCM_COND_PROJ)
+    layer = pipe.unet.time_embedding.cond_proj
+    with torch.no_grad():
+        layer.weight.copy_(weight.to(layer.weight.dtype))
 
 
 def _pickle_to_safetensors(path: Path, allow_pickle: bool) -> Path:
@@ -115,6 +132,8 @@ def load_single_file(
         kwargs["torch_dtype"] = torch_dtype
     if not det.is_xl:
         kwargs.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    if det.guidance_embedded:  # cond_proj is missing from the converted weights: built, not left on meta
+        kwargs["low_cpu_mem_usage"] = False
     try:
         pipe = pipe_cls.from_single_file(str(path), **kwargs)
     except (KeyError, RuntimeError, ValueError) as exc:
@@ -123,6 +142,8 @@ def load_single_file(
             f"architecture ({type(exc).__name__}: {str(exc)[:300]}). It may be truncated, merged "
             "wrongly, or a variant sd-accel does not know."
         ) from exc
+    if det.guidance_embedded:
+        _load_guidance_embedding(pipe, path)
     pipe.sd_accel_model = ModelInfo(
         str(path), family, det.inpaint, pipe.scheduler.config.get("prediction_type", "epsilon")
     )

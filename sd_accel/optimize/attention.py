@@ -57,7 +57,9 @@ def apply_attention(pipe, backend: str) -> None:
     """Set one attention backend on every attention layer of the UNet and VAE."""
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    modules = [m for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)) if m is not None]
+    # A module without attention layers (the tiny autoencoder, TAESD) has nothing to set.
+    modules = [m for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None))
+               if m is not None and hasattr(m, "set_attn_processor")]
     for module in modules:
         if backend == "xformers":
             module.enable_xformers_memory_efficient_attention()

@@ -145,7 +145,7 @@ class EngineUNet(EngineModule):
     """Stands in for ``UNet2DConditionModel``; SDXL's added conditions included."""
 
     _UNSUPPORTED = (
-        "class_labels", "timestep_cond", "attention_mask", "down_block_additional_residuals",
+        "class_labels", "attention_mask", "down_block_additional_residuals",
         "mid_block_additional_residual", "down_intrablock_additional_residuals", "encoder_attention_mask",
     )
 
@@ -180,7 +180,8 @@ class EngineUNet(EngineModule):
                 out = None if latent is None else {"latent": latent}
             else:
                 try:
-                    feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"))
+                    feed = self._feed(sample, timestep, encoder_hidden_states, kwargs.get("added_cond_kwargs"),
+                                      kwargs.get("timestep_cond"))
                 except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
                     engines.torch_call(f"inputs the engine cannot take ({type(exc).__name__}: {exc})")
                 else:
@@ -201,8 +202,14 @@ class EngineUNet(EngineModule):
             return "positional arguments beyond (sample, timestep, encoder_hidden_states)"
         taken = ("down_block_additional_residuals", "mid_block_additional_residual") if control else ()
         used = [k for k in self._UNSUPPORTED if kwargs.get(k) is not None and k not in taken]
+        guided = self.torch_module.config.get("time_cond_proj_dim") is not None
+        if kwargs.get("timestep_cond") is not None and (not guided or control):
+            used.append("timestep_cond")  # the residual-taking engines have no guidance input
         if used:
             return f"arguments the engine was not built for: {', '.join(used)}"
+        if guided and kwargs.get("timestep_cond") is None:
+            # the torch UNet then skips its cond_proj; the engine always applies it
+            return "no timestep_cond for a UNet with time_cond_proj_dim (its engine takes one on every call)"
         cak = kwargs.get("cross_attention_kwargs")
         if cak and lora_scale is None:
             return f"cross_attention_kwargs {sorted(cak)} are not in the engine"
@@ -212,7 +219,7 @@ class EngineUNet(EngineModule):
                     "serves it on the engines")
         return None
 
-    def _feed(self, sample, timestep, ehs, added) -> dict[str, torch.Tensor]:
+    def _feed(self, sample, timestep, ehs, added, timestep_cond=None) -> dict[str, torch.Tensor]:
         batch = sample.shape[0]
         t = torch.as_tensor(timestep, device=sample.device).float().reshape(-1)
         if t.numel() == 1:
@@ -221,6 +228,10 @@ class EngineUNet(EngineModule):
         if added:
             feed["text_embeds"] = added["text_embeds"].float()
             feed["time_ids"] = added["time_ids"].float()
+        if timestep_cond is not None:
+            # StableDiffusionPipeline passes one row per image even under CFG; the UNet broadcasts it
+            cond = timestep_cond.float()
+            feed["timestep_cond"] = cond.expand(batch, -1).contiguous() if cond.shape[0] == 1 else cond
         return feed
 
 
@@ -269,7 +280,8 @@ class EngineTextEncoder(EngineModule):
 
 
 class EngineVAE(EngineModule):
-    """Stands in for ``AutoencoderKL``: ``decode`` and ``encode`` on engines, the rest on torch."""
+    """Stands in for ``AutoencoderKL`` or ``AutoencoderTiny`` (TAESD): ``decode`` and ``encode`` on
+    engines, the rest on torch."""
 
     def forward(self, *args, **kwargs):
         return self.torch_fallback()(*args, **kwargs)
@@ -291,9 +303,16 @@ class EngineVAE(EngineModule):
 
         engines = self.engines.get("vae_encoder")
         fresh = engines is not None and self._fresh(engines)
-        moments = self._per_item(engines, "images", "moments", x) if fresh else None
+        from diffusers import AutoencoderTiny
+
+        tiny = isinstance(self.torch_module, AutoencoderTiny)  # TAESD: latents, no distribution
+        moments = self._per_item(engines, "images", "latents" if tiny else "moments", x) if fresh else None
         if moments is None:
             return self.torch_fallback().encode(x, return_dict=return_dict, **kwargs)
+        if tiny:
+            from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
+
+            return AutoencoderTinyOutput(latents=moments) if return_dict else (moments,)
         dist = DiagonalGaussianDistribution(moments)
         return AutoencoderKLOutput(latent_dist=dist) if return_dict else (dist,)
 

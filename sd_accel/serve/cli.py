@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-precision", choices=ENGINE_PRECISIONS, default=None)
     p.add_argument("--sampler", default=None, help="the default sampler, e.g. 'DPM++ 2M Karras'")
     p.add_argument("--no-engines", action="store_true", help="serve torch only, without engines")
+    p.add_argument("--tiny-vae", default=None, metavar="PATH",
+                   help="decode with the tiny autoencoder (TAESD): a diffusers folder or taesd_decoder.safetensors")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; 0.0.0.0 opens it)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--token", default=None, help="bearer token every route checks (default $SD_ACCEL_SERVE_TOKEN)")
@@ -47,6 +49,8 @@ def config_from_args(args: argparse.Namespace):
                              "engine_precision": args.engine_precision, "sampler": args.sampler}
     if args.no_engines:
         accel["engines"] = False
+    if args.tiny_vae:
+        accel["vae"] = f"tiny:{args.tiny_vae}"
     fields = {name: getattr(args, name) for name in (
         "model", "allow_pickle", "engine_dir", "host", "port", "token", "num_replicas", "num_cpus", "num_gpus",
         "max_batch_size", "batch_wait_ms", "max_ongoing_requests", "max_queued_requests", "request_timeout_s",

@@ -44,6 +44,8 @@ StateDict = dict[str, torch.Tensor]
 # ``label_emb`` in the original model; a UNet never has both.
 _UNET_FLAT = {
     "conv_in": "input_blocks.0.0",
+    # LCM-distilled UNets: diffusers' conversion keeps the name (no original-layout one exists)
+    "time_embedding.cond_proj": "time_embedding.cond_proj",
     "time_embedding.linear_1": "time_embed.0",
     "time_embedding.linear_2": "time_embed.2",
     "conv_norm_out": "out.0",

@@ -1,0 +1,184 @@
+"""Few-step models on engines: LCM-distilled UNets (``time_cond_proj_dim``: the ``timestep_cond``
+input) on each CPU backend, detected in single files, and CFG <= 1 runs (one UNet row per image)
+served by static engines. Tiny random models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sd_accel import AccelConfig, accelerate, build_engines, load_pipeline, stats
+from sd_accel.autobuild import profile_for_call
+from sd_accel.components import UNetSpec
+from sd_accel.profiles import Profile
+
+from support.lcm import COND_DIM, tiny_lcm_pipeline
+from support.taesd_files import tiny_autoencoder, write_layouts
+
+STATIC = dict(batch=1, height=64, width=64)
+
+
+@pytest.fixture(scope="module")
+def lcm_sd15():
+    """One torch LCM pipeline for the tests that only read it."""
+    return tiny_lcm_pipeline("sd15")
+
+
+def _run(pipe, steps: int = 2, **kwargs) -> np.ndarray:
+    g = torch.Generator("cpu").manual_seed(0)
+    return pipe("a cat", num_inference_steps=steps, height=64, width=64, generator=g, output_type="np",
+                **kwargs).images
+
+
+def test_lcm_unet_spec_carries_timestep_cond_and_never_doubles_the_batch(lcm_sd15):
+    spec = UNetSpec(lcm_sd15)
+    names = [t.name for t in spec.inputs()]
+    assert names[-1] == "timestep_cond" and spec.shapes({"B2": 1, "H8": 8, "W8": 8, "T": 77})["timestep_cond"] == (
+        1, COND_DIM)
+    assert spec.dim_ranges(Profile(**STATIC))["B2"] == (1, 1, 1)  # the default static profile fits LCM's calls
+
+
+def test_cfg_off_profile_is_one_row_per_image_and_auto_builds_it_static(tiny_sd15):
+    spec = UNetSpec(tiny_sd15)
+    assert spec.dim_ranges(Profile(**STATIC))["B2"] == (2, 2, 2)
+    off = Profile(**STATIC, cfg=False)
+    assert spec.dim_ranges(off)["B2"] == (1, 1, 1)
+    assert off.tag.endswith(".nocfg") and Profile.from_tag(off.tag) == off and Profile.of(off.to_dict()) == off
+    feed = spec.sample_feed({"B2": 1, "H8": 8, "W8": 8, "T": 77})
+    got = profile_for_call(spec, feed)  # a Turbo / CFG-1 call: static, not a dynamic batch range
+    assert got is not None and got.static and not got.cfg and got.batch == (1, 1, 1)
+
+
+@pytest.fixture(scope="module", params=["onnxruntime", "openvino"])
+def lcm_engines(request, tmp_path_factory):
+    """(backend, engine folder, the torch LCM pipeline, its torch image) for a static 64 px UNet engine."""
+    if request.param == "openvino":
+        pytest.importorskip("openvino")
+    pipe = accelerate(tiny_lcm_pipeline("sd15"), precision="fp32")
+    ref = _run(pipe, guidance_scale=4.0)
+    folder = tmp_path_factory.mktemp(f"lcm-{request.param}")
+    records = build_engines(pipe, profiles=[STATIC], backend=request.param, components=["unet"], engine_dir=folder,
+                            progress=False)
+    assert records[0].validation["ok"] and records[0].validation["rel_l2"] < 1e-3
+    return request.param, folder, pipe, ref
+
+
+@pytest.mark.slow
+def test_latent_consistency_pipeline_runs_on_the_lcm_unet_engine(lcm_engines):
+    backend, folder, pipe, ref = lcm_engines
+    accelerate(pipe, precision="fp32", engines=True, backend=backend, engine_dir=str(folder))
+    assert pipe.unet.config.time_cond_proj_dim == COND_DIM  # the stand-in keeps the config diffusers reads
+    out = _run(pipe, guidance_scale=4.0)
+    assert np.abs(out - ref).max() < 1e-3
+    s = stats(pipe)["unet"]
+    assert s["engine_calls"] == 2 and s["torch_calls"] == 0
+
+
+@pytest.mark.slow
+def test_plain_sd_pipeline_with_an_lcm_unet_runs_one_row_per_image_on_the_engine(lcm_engines):
+    from diffusers import StableDiffusionPipeline
+
+    backend, folder, pipe, _ = lcm_engines
+    accelerate(pipe, precision="fp32", engines=True, backend=backend, engine_dir=str(folder))
+    sd = StableDiffusionPipeline(**{k: v for k, v in pipe.components.items() if k != "image_encoder"},
+                                 image_encoder=None, requires_safety_checker=False)
+    rows = []
+    hook = sd.unet.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    try:
+        _run(sd, guidance_scale=7.0)  # no CFG doubling for a guidance-embedded UNet
+    finally:
+        hook.remove()
+    assert rows == [1, 1]
+    assert stats(sd)["unet"]["torch_calls"] == 0
+
+
+@pytest.mark.slow
+def test_sdxl_lcm_unet_engine_matches_torch(tmp_path):
+    pipe = accelerate(tiny_lcm_pipeline("sdxl"), precision="fp32")
+    ref = _run(pipe, guidance_scale=1.0)
+    build_engines(pipe, profiles=[STATIC], backend="onnxruntime", components=["unet"], engine_dir=tmp_path,
+                  progress=False)
+    accelerate(pipe, precision="fp32", engines=True, backend="onnxruntime", engine_dir=str(tmp_path))
+    assert np.abs(_run(pipe, guidance_scale=1.0) - ref).max() < 1e-3
+    assert stats(pipe)["unet"]["engine_calls"] == 2
+
+
+def test_single_file_lcm_checkpoint_is_detected_and_loads_identically(lcm_sd15, tmp_path):
+    from sd_accel.models.checkpoint import read_shapes
+    from sd_accel.models.detect import detect
+
+    from support.ldm_layout import save_single_file
+
+    pipe = lcm_sd15
+    path = save_single_file(pipe, tmp_path / "lcm.safetensors")
+    assert detect(read_shapes(path)).guidance_embedded
+    got = load_pipeline(str(path))
+    assert got.unet.config.time_cond_proj_dim == COND_DIM
+    assert type(got.scheduler).__name__ == "LCMScheduler"
+    want = pipe.unet.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in got.unet.state_dict().items())
+
+
+def test_generate_on_an_lcm_pipeline_without_a_negative_prompt_argument(lcm_sd15):
+    from sd_accel.generate import GenerationParams, generate
+
+    pipe = lcm_sd15
+    encodes = []
+    hook = pipe.text_encoder.register_forward_pre_hook(lambda *_: encodes.append(1))
+    try:
+        result = generate(pipe, GenerationParams(prompt="a cat", negative_prompt="blurry", steps=1, cfg=1.0,
+                                                 width=64, height=64))
+    finally:
+        hook.remove()
+    assert result.unet_calls == 1 and len(encodes) == 1  # the negative prompt is never encoded
+
+
+@pytest.mark.slow
+def test_cli_build_no_cfg_makes_one_row_per_image_unet_engines(tmp_path, capsys):
+    from sd_accel import EngineCache
+    from sd_accel.cli import main
+
+    assert main(["build", "--model", "builtin:tiny-sd15", "--components", "unet", "--height", "64", "--width", "64",
+                 "--static", "--no-cfg", "--backend", "onnxruntime", "--engine-dir", str(tmp_path), "--json"]) == 0
+    (record,) = EngineCache(tmp_path).list()
+    assert record.key.profile.endswith(".nocfg") and record.shapes["sample"][0][0] == 1
+
+
+@pytest.mark.slow
+def test_the_few_step_recipe_lcm_unet_and_taesd_on_auto_built_engines(tmp_path):
+    """README's recipe: engines="auto" builds a one-row UNet engine and a TAESD decoder engine on
+    first use, and the image matches torch."""
+    paths = write_layouts(tiny_autoencoder(), tmp_path / "taesd")
+    pipe = tiny_lcm_pipeline("sd15")
+    tiny = f"tiny:{paths['single']}"
+    ref = _run(accelerate(pipe, AccelConfig(precision="fp32", vae=tiny)))
+    accelerate(pipe, AccelConfig(precision="fp32", vae=tiny, engines="auto", backend="onnxruntime",
+                                 engine_dir=str(tmp_path / "engines")))
+    assert np.abs(_run(pipe) - ref).max() < 1e-3
+    s = stats(pipe)
+    assert s["unet"]["engine_calls"] == 2 and s["vae_decoder"]["engine_calls"] == 1
+    assert s["unet"]["torch_calls"] == 0 and s["vae_decoder"]["torch_calls"] == 0
+
+
+@pytest.mark.slow
+def test_turbo_style_cfg_0_runs_one_row_per_image_on_an_auto_built_static_engine(tmp_path):
+    """SD-Turbo's recipe (the SD 2.x architecture, 1 step, CFG 0): one UNet row per image, served by a
+    static one-row engine that engines="auto" builds, and the negative prompt never encoded."""
+    pipe = load_pipeline("builtin:tiny-sd2")
+    config = AccelConfig(precision="fp32", sampler="Euler a SGM Uniform")
+    ref = _run(accelerate(pipe, config), steps=1, guidance_scale=0.0)
+    accelerate(pipe, config, engines="auto", backend="onnxruntime", engine_dir=str(tmp_path))
+    rows, encodes = [], []
+    hooks = [pipe.unet.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0])),
+             pipe.text_encoder.register_forward_pre_hook(lambda *_: encodes.append(1))]
+    try:
+        out = _run(pipe, steps=1, guidance_scale=0.0, negative_prompt="blurry")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert np.abs(out - ref).max() < 1e-3
+    assert rows == [1] and len(encodes) == 1
+    s = stats(pipe)["unet"]
+    assert s["engine_calls"] == 1 and s["torch_calls"] == 0
+    assert ".static.b1." in s["builds"][0] and ".nocfg." in s["builds"][0]
