@@ -85,9 +85,9 @@ def lora_for(model: ModelPatcher, seed: int, rank: int = 2) -> dict:
     g = torch.Generator().manual_seed(seed)
     patches = {}
     for key, w in model.model.state_dict().items():
-        if key.endswith(("attn2.to_k.weight", "attn1.to_q.weight")):
-            up = torch.randn(w.shape[0], rank, generator=g) * 0.1
-            down = torch.randn(rank, w.shape[1], generator=g) * 0.1
+        if key.endswith(("attn1.to_v.weight", "attn2.to_v.weight", "to_out.0.weight")):
+            up = torch.randn(w.shape[0], rank, generator=g) * 0.5
+            down = torch.randn(rank, w.shape[1], generator=g) * 0.5
             patches[key] = LoRAAdapter(set(), (up, down, torch.tensor(float(rank)), None, None, None))
     return patches
 
