@@ -78,13 +78,22 @@ def test_pack_without_sd_accel_loads_with_a_node_that_says_why(tmp_path):
         comfy.node("SdAccelUnavailable").why()
 
 
-def test_unusable_backend_is_said_in_the_node(tmp_path):
-    from sd_accel.core import SdAccelError
+def test_unusable_backend_or_precision_is_said_in_the_node(tmp_path, monkeypatch):
+    from sd_accel.backends import registry
+    from sd_accel.core import DeviceError, SdAccelError
 
     comfy = harness.start(tmp_path)
     model, _, vae = comfy.load()
-    with pytest.raises(SdAccelError, match="tensorrt.*cannot run here"):
-        comfy.node("SdAccelBuildEngines").build(model, vae=vae, **{**BUILD, "backend": "tensorrt"})
+    build = comfy.node("SdAccelBuildEngines").build
+    with pytest.raises(SdAccelError, match="precision='bf16': the onnxruntime backend builds fp32"):
+        build(model, vae=vae, **{**BUILD, "precision": "bf16"})
+
+    def unusable(name="auto", cache_root=None, device=None):  # the registry's answer where TensorRT is missing
+        raise DeviceError(f"backend={name!r} cannot run here: TensorRT is not installed")
+
+    monkeypatch.setattr(registry, "get_backend", unusable)
+    with pytest.raises(SdAccelError, match="'tensorrt' cannot run here.*TensorRT is not installed"):
+        build(model, vae=vae, **{**BUILD, "backend": "tensorrt"})
 
 
 def test_interrupt_cancels_the_build(tmp_path):
