@@ -84,8 +84,8 @@ def image(url: str, entry: dict, node: str):
 def mean_abs_diff(a, b) -> float:
     if a is None or b is None:
         return float("nan")
-    pa, pb = list(a.getdata()), list(b.getdata())
-    return sum(abs(x - y) for p, q in zip(pa, pb, strict=True) for x, y in zip(p, q, strict=True)) / (3 * len(pa))
+    pa, pb = a.tobytes(), b.tobytes()  # RGB bytes
+    return sum(abs(x - y) for x, y in zip(pa, pb, strict=True)) / len(pa)
 
 
 def graph(args, engines: bool, prompt: str = "a photo of a cat", lora: float | None = None, img2img: str | None = None,

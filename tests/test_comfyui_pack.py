@@ -208,3 +208,21 @@ def test_patches_controlnet_and_wrappers_run_torch_by_name(tmp_path, engine_dir,
     caplog.clear()
     comfy.sample(wrapped, clip)
     assert "other UNet wrappers" in _unet_calls(caplog) and "other_pack_wrapper" in _unet_calls(caplog)
+
+
+def test_patch_sets_name_each_lora_and_strength(tmp_path):
+    from sd_accel.comfyui.identity import patch_set, unet_weights_id
+
+    comfy = harness.start(tmp_path)
+    model, clip, _ = comfy.load()
+    a, b = comfy.sd.lora_for(model, seed=1), comfy.sd.lora_for(model, seed=2)
+
+    def loras(lora, strength):
+        return patch_set(comfy.sd.load_lora_for_models(model, clip, lora, strength, strength)[0].patches)
+
+    a1, a05, b1 = loras(a, 1.0), loras(a, 0.5), loras(b, 1.0)
+    assert a1[0][0] == a05[0][0] and (a1[0][1], a05[0][1]) == (1.0, 0.5)  # one LoRA, two strengths
+    assert a1[0][0] != b1[0][0]  # same keys, another LoRA: another name (never the other's engine)
+    assert loras(a, 0.0) == () and patch_set(model.patches) == ()
+    ids = {unet_weights_id("ckpt-0123456789", s) for s in (a1, a05, b1, ())}
+    assert len(ids) == 4 and "ckpt-0123456789" in ids
