@@ -28,7 +28,8 @@ import urllib.parse
 import urllib.request
 import uuid
 
-LONG_PROMPT = ", ".join(["a detailed photo of a red fox in a snowy forest at dawn"] * 15)  # ~150 tokens
+# 150 CLIP tokens exactly (ComfyUI: two chunks of 75, a (2, 154, 768) context with CFG)
+LONG_PROMPT = ", ".join(["a detailed photo of a red fox in a snowy forest at dawn"] * 10) + ", " + " ".join(["fox"] * 10)
 
 
 def post(url: str, graph: dict) -> str:
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append((f"lora {s:g}", {"lora": s}))
     if args.img2img and "img2img" in only:
         runs.append(("img2img", {"img2img": args.img2img}))
-    print(f"{'workflow':18s} {'torch s':>8s} {'engines s':>9s} {'torch s/it':>10s} {'eng s/it':>9s} {'diff/255':>8s}")
+    print(f"{'workflow':18s} {'torch s':>8s} {'engines s':>9s} {'torch s/step':>12s} {'eng s/step':>10s} {'diff/255':>8s}  (whole runs: loads and refits included)")
     for name, kw in runs:
         out = {}
         for engines in (False, True):
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             e = wait(url, post(url, graph(args, engines, prefix=tag, **kw)), args.timeout)
             out[engines] = (seconds(e), image(url, e, "7"))
         t, en = out[False][0], out[True][0]
-        print(f"{name:18s} {t:8.1f} {en:9.1f} {t / args.steps:10.2f} {en / args.steps:9.2f} "
+        print(f"{name:18s} {t:8.1f} {en:9.1f} {t / args.steps:12.2f} {en / args.steps:10.2f} "
               f"{mean_abs_diff(out[False][1], out[True][1]):8.2f}", flush=True)
     return 0
 
