@@ -11,4 +11,6 @@ collect_ignore = [
     # A stand-in WebUI tree (``modules``, ``ldm``, ``backend``, launch.py) that the extension tests put
     # on sys.path themselves; importing it for doctests would shadow those packages for every test.
     "tests/webui_stub",
+    # The same for the stand-in ComfyUI (``comfy``, ``folder_paths``): tests/test_comfyui_pack.py loads it.
+    "tests/comfyui_stub",
 ]

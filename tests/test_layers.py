@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sd_accel"
 ORDER = ["core", "paths", "units", "pages", "profiles", "device", "models", "optimize", "samplers", "components", "onnx",
          "backends", "cache", "runtime", "calibration", "validate", "build", "autobuild", "refit", "prompts", "config",
          "api", "generate",
-         "ui", "bench", "serve", "cli_engines", "cli", "webui"]
+         "ui", "bench", "serve", "cli_engines", "cli", "webui", "comfyui"]
 
 
 def _module(path: Path) -> str:

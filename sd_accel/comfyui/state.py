@@ -1,0 +1,164 @@
+"""The engines of this ComfyUI process: folder, backend, engines per weights id, LoRA refits.
+
+One :class:`State` per process (:func:`state`). Engines of a weights id stay loaded until the
+engine set changes (a build, a delete); the UNet's come as the WebUI's
+:class:`~sd_accel.webui.runner.LdmEngines` (per-call choice, batch chunks, PyTorch for the
+rest, counted and said once per reason), the VAE's as the runtime's ``ComponentEngines``.
+LoRA refits are the WebUI's (:class:`~sd_accel.webui.lora.LoraRefits`): the last few patch
+sets of each checkpoint stay refitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sd_accel.comfyui import host
+from sd_accel.components.ldm_unet import COMPONENT as UNET
+from sd_accel.webui.runner import LdmEngines
+
+log = logging.getLogger("sd_accel")
+
+ENV_BACKEND = "SD_ACCEL_COMFYUI_BACKEND"  # the backend engines are loaded for (default auto)
+
+
+@dataclass
+class Job:
+    """What the running node used (the VAE stand-ins report into it, as in the WebUI)."""
+
+    used: set = field(default_factory=set)
+
+
+class State:
+    """Engine folder, backend, engines per (weights id, component), refits, once-said notes."""
+
+    def __init__(self, engine_dir: Path | None = None, backend: str | None = None) -> None:
+        self._lock = threading.RLock()
+        self._dir = Path(engine_dir) if engine_dir is not None else None
+        self._backend_name = backend
+        self._backends: dict[str, Any] = {}
+        self._engines: dict[tuple, Any] = {}
+        self._said: set[str] = set()
+        self.generation = 0
+        self.job = Job()
+        self.weights: dict[str, str] = {}  # component -> weights id, set by the VAE nodes for a call
+        from sd_accel.webui.lora import LoraRefits
+
+        self.refits = LoraRefits()
+
+    # ---- settings
+
+    def engine_dir(self) -> Path:
+        return self._dir if self._dir is not None else host.default_engine_dir()
+
+    def backend_name(self) -> str:
+        return self._backend_name or os.environ.get(ENV_BACKEND) or "auto"
+
+    def cache(self):
+        from sd_accel import EngineCache
+
+        return EngineCache(self.engine_dir())
+
+    def backend(self, name: str | None = None):
+        """The runtime backend ``name`` (default: this state's); raises with the reason when unusable."""
+        from sd_accel.backends.registry import get_backend
+
+        name = name or self.backend_name()
+        with self._lock:
+            if name not in self._backends:
+                device = "cpu" if name == "auto" and host.runs_on_cpu() else None
+                self._backends[name] = get_backend(name, cache_root=self.engine_dir(), device=device)
+            return self._backends[name]
+
+    def backends_here(self) -> list:
+        """The chosen backend first, then (with auto) every other one that runs here."""
+        from sd_accel.backends.registry import auto_order
+
+        first = self.backend()
+        out = [first]
+        if self.backend_name() == "auto":
+            for name in auto_order("cpu" if host.runs_on_cpu() else None):
+                if name != first.name:
+                    try:
+                        out.append(self.backend(name))
+                    except Exception:  # noqa: BLE001  (cannot run here)
+                        continue
+        return out
+
+    # ---- engines
+
+    def engines_changed(self) -> None:
+        """Engines were built or deleted: reload on next use."""
+        with self._lock:
+            self.generation += 1
+            for engines in self._engines.values():
+                if engines is not None:
+                    engines.close()
+            self._engines.clear()
+            self.refits.close()
+
+    def engines_for(self, wid: str, component: str = UNET):
+        """Usable engines of weights id ``wid`` (the backend's, else with auto another's that runs
+        here), or None when there are none."""
+        from sd_accel.runtime import engines_for
+
+        cache = self.cache()
+        key = (wid, component, self.backend_name(), str(cache.root), self.generation)
+        with self._lock:
+            if key not in self._engines:
+                found = None
+                for backend in self.backends_here():
+                    found = engines_for(cache, backend, wid, component, fallback=True,
+                                        on_refused=lambda why: self.say_once(f"not loading engine {why}"))
+                    if found.handles:
+                        break
+                if found is None or not found.handles:
+                    self._engines[key] = None
+                else:
+                    self._engines[key] = LdmEngines(wid, found) if component == UNET else found
+            return self._engines[key]
+
+    def engines_or_reason(self, wid: str | None, component: str = UNET) -> tuple[Any, str | None]:
+        """(engines, None), or (None, why not): never raises (it runs inside a model call)."""
+        if wid is None:
+            return None, "the weights are not known"
+        try:
+            return self.engines_for(wid, component), None
+        except Exception as exc:  # noqa: BLE001  (an unusable backend, an unreadable folder)
+            reason = f"engines cannot be loaded: {type(exc).__name__}: {exc}"
+            self.say_once(reason)
+            return None, reason
+
+    def weights_for(self, component: str) -> str | None:
+        """The weights id a VAE stand-in computes with for the running node (set by :mod:`.vae`)."""
+        return self.weights.get(component)
+
+    def say_once(self, text: str) -> None:
+        """A warning printed once per process."""
+        if text not in self._said:
+            self._said.add(text)
+            log.warning("sd-accel: %s", text)
+
+
+_STATE: State | None = None
+
+
+def state() -> State:
+    """The process's state (created on first use)."""
+    global _STATE
+    if _STATE is None:
+        _STATE = State()
+    return _STATE
+
+
+def reset_state(engine_dir: Path | None = None, backend: str | None = None) -> State:
+    """A fresh state (tests; a changed engine folder)."""
+    global _STATE
+    if _STATE is not None:
+        _STATE.engines_changed()
+    _STATE = State(engine_dir, backend)
+    return _STATE

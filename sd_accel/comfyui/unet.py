@@ -1,0 +1,305 @@
+"""ComfyUI's UNet calls on engines: two wrappers on a ModelPatcher clone.
+
+ComfyUI's extension points (``ModelPatcher.add_wrapper_with_key``, ``comfy.patcher_extension``):
+
+- ``outer_sample`` wraps one sampling run (``CFGGuider.outer_sample``; ``executor.class_obj`` is the
+  guider, whose ``model_patcher`` is the MODEL the sampler got, LoRA patches and all). Here the
+  run's weights are worked out once: the checkpoint's id plus the patch set, its engines, or
+  why the UNet runs in PyTorch. At its end the run's report is logged.
+- ``diffusion_model`` wraps each UNet call (``UNetModel.forward``, after ComfyUI's input scaling
+  and sigma -> timestep): ``(executor, x, timesteps, context, y, control, transformer_options,
+  **kwargs)``. The call goes to the engines (per-call choice and batch chunks:
+  :class:`~sd_accel.webui.runner.LdmEngines`), or to ``executor(...)``, ComfyUI's own UNet.
+
+Wrappers, not ``set_model_unet_function_wrapper``: that slot holds one function per model, and
+other packs use it; wrappers chain. A ``model_function_wrapper`` of another pack (it wraps
+``apply_model`` from outside) still reaches these; what changes the UNet from inside (FreeU's
+block patches, attention patches and replacements, other ``diffusion_model`` wrappers, object
+patches of ``diffusion_model``, ControlNet residuals) sends the call to PyTorch, with its names
+in the message, said once per reason and counted.
+
+LoRA: ComfyUI writes the patches into the weights when it loads the model for sampling
+(``ModelPatcher.load``, before the first UNet call) and records ``current_weight_patches_uuid``
+on the model. At the first call of a run whose patch set has no engine of its own, the
+checkpoint's engine is refitted to those weights (:func:`sd_accel.webui.lora.refit_for`, the
+WebUI's); a strength change is another patch set, so another refit, never a rebuild; and the
+unpatched engine never serves patched weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sd_accel.comfyui import host
+from sd_accel.comfyui.identity import describe, patch_set, unet_weights_id
+from sd_accel.comfyui.state import State, state
+from sd_accel.components.ldm_unet import COMPONENT
+from sd_accel.webui.identity import LoraSet
+
+log = logging.getLogger("sd_accel")
+
+KEY = "sd_accel"  # the wrappers' key on the ModelPatcher
+KEPT_REFITS = 2  # patch sets kept refitted per checkpoint
+
+
+def _name(fn: Any) -> str:
+    fn = getattr(fn, "__func__", fn)
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{qual}".replace(".<locals>", "")
+
+
+def _patch_names(options: dict, key: str) -> list[str]:
+    found = []
+    for where, items in (options.get(key) or {}).items():
+        if not items:
+            continue
+        if key == "patches_replace":  # {"attn1": {(block, n, idx): fn}, ...}
+            fns = list(items.values()) if isinstance(items, dict) else list(items)
+        else:
+            fns = list(items) if isinstance(items, (list, tuple)) else [items]
+        found.append(f"{where}: {', '.join(sorted({_name(f) for f in fns}))}")
+    return found
+
+
+def call_reason(control, options: dict | None, kwargs: dict, controlnets: list[str] | None = None) -> str | None:
+    """Why this UNet call must run in PyTorch, with the names of what asks for it; None: engines."""
+    options = options or {}
+    if control is not None:
+        names = ", ".join(controlnets or []) or "a ControlNet"
+        return (f"ControlNet residuals ({names}) are not in the engine (a residual-taking UNet engine is "
+                "needed: see the ControlNet issue)")
+    patches = _patch_names(options, "patches") + _patch_names(options, "patches_replace")
+    if patches:
+        return f"UNet patches ({'; '.join(patches)}) are not in the engine"
+    others = {k: v for k, v in ((options.get("wrappers") or {}).get(host.wrappers().DIFFUSION_MODEL) or {}).items()
+              if k != KEY and v}
+    if others:
+        names = sorted({_name(f) for fns in others.values() for f in fns})
+        return f"other UNet wrappers ({', '.join(names)}) are not in the engine"
+    extra = sorted(k for k, v in kwargs.items() if v is not None)
+    if extra:
+        return f"arguments the engine was not built for: {', '.join(extra)}"
+    return None
+
+
+def _controlnets(guider) -> list[str]:
+    """Class names of the ControlNets (and T2I adapters, Control-LoRAs) in the guider's conds."""
+    names: list[str] = []
+    for conds in (getattr(guider, "original_conds", None) or getattr(guider, "conds", None) or {}).values():
+        for c in conds or []:
+            control = c.get("control") if isinstance(c, dict) else None
+            while control is not None:
+                names.append(type(control).__name__)
+                control = getattr(control, "previous_controlnet", None)
+    return sorted(set(names))
+
+
+@dataclass
+class Run:
+    """One sampling run of a MODEL with engines applied."""
+
+    patcher: Any
+    loras: LoraSet = ()
+    engines: Any = None  # LdmEngines serving the run
+    counter: Any = None  # LdmEngines whose stats count the run's PyTorch calls (engines or the base)
+    reason: str | None = None  # the whole run runs in PyTorch, and why
+    refit: bool = False  # the engines come from a refit at the first call
+    controlnets: list[str] = field(default_factory=list)
+    torch_calls: dict[str, int] = field(default_factory=dict)  # where no engines count them
+    line: str | None = None  # what a refit did, for the report
+
+
+class EngineUNet:
+    """Engines for one checkpoint's UNet, reached through the two wrappers."""
+
+    def __init__(self, ckpt_id: str, st: State | None = None) -> None:
+        self.ckpt_id = ckpt_id
+        self._state = st
+        self.run: Run | None = None
+        self.last_report: str | None = None
+
+    @property
+    def state(self) -> State:
+        return self._state or state()
+
+    # ---- the run
+
+    def prepare(self, patcher) -> Run:
+        """The run's engines (or why none) for ``patcher``'s weights."""
+        run = Run(patcher)
+        if patcher is None:
+            run.reason = "the sampler gave no ModelPatcher: its patches are not known"
+            return run
+        if getattr(patcher, "hook_patches", None) or getattr(patcher, "current_hooks", None):
+            run.reason = "hook LoRAs / weight hooks (they change weights per step or per cond) are not in the engine"
+            return run
+        objects = sorted(k for k in getattr(patcher, "object_patches", {}) if str(k).startswith("diffusion_model"))
+        if objects:
+            run.reason = f"object patches of the UNet ({', '.join(objects)}) replace what the engine was built from"
+            return run
+        run.loras = patch_set(getattr(patcher, "patches", {}) or {})
+        st = self.state
+        base, why = st.engines_or_reason(unet_weights_id(self.ckpt_id), COMPONENT)
+        run.counter = base
+        if not run.loras:
+            run.engines = base
+            if base is None:
+                run.reason = why or (f"no engine for {self.ckpt_id} here (build one with the sd-accel Build "
+                                     "Engines node)")
+            return run
+        own, _ = st.engines_or_reason(unet_weights_id(self.ckpt_id, run.loras), COMPONENT)
+        if own is not None:  # an engine built with these patches applied
+            run.engines = run.counter = own
+            return run
+        if base is None:
+            run.reason = f"no engine for {self.ckpt_id} to refit for {describe(run.loras)}"
+            return run
+        from sd_accel.refit import needs_rebuild
+
+        usable = [h for h in base.handles if h.broken is None]
+        refused = [w for w in map(needs_rebuild, usable) if w]
+        if len(refused) == len(usable):
+            run.reason = "; ".join(refused) or "the checkpoint's engines are set aside"
+            return run
+        run.refit = True
+        return run
+
+    def outer_sample(self, executor, *args, **kwargs):
+        """``outer_sample`` wrapper: prepare the run, sample, report."""
+        guider = getattr(executor, "class_obj", None)
+        run = self.prepare(getattr(guider, "model_patcher", None))
+        run.controlnets = _controlnets(guider)
+        if run.counter is not None:
+            run.counter.reset_stats()
+        self.run = run
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            self.last_report = self.report(run)
+            log.info("%s", self.last_report)
+            self.run = None
+
+    def _refit(self, run: Run, unet: torch.nn.Module) -> None:
+        """The checkpoint's engine refitted to the patched weights now in ``unet`` (once per set)."""
+        run.refit = False
+        patcher = run.patcher
+        model = getattr(patcher, "model", None)
+        if getattr(model, "model_lowvram", False):
+            run.reason = ("ComfyUI loaded the UNet partially (low VRAM): its LoRA patches are computed on the fly, "
+                          "not in the weights")
+            return
+        if getattr(model, "current_weight_patches_uuid", None) != getattr(patcher, "patches_uuid", None):
+            run.reason = "the UNet's weights do not carry this MODEL's patches now"
+            return
+        from sd_accel.webui.lora import lora_text, refit_for
+
+        st = self.state
+        base = run.counter
+        where = (self.ckpt_id, st.backend_name(), str(st.cache().root), st.generation)
+        refit = st.refits.get(where, run.loras)
+        if refit is None:
+            failed = st.refits.failed(where, run.loras)
+            if failed:
+                run.reason = failed
+                return
+            log.warning("sd-accel: refitting the engine of %s for %s (patches on the engine without a rebuild)",
+                        self.ckpt_id, describe(run.loras))
+            try:
+                from sd_accel.comfyui.tracing import comfy_export_context
+
+                ckpt = self.ckpt_id.removeprefix("ckpt-")
+                with torch.inference_mode(False), comfy_export_context(unet):
+                    refit = refit_for(base, run.loras, ckpt, unet)
+            except Exception as exc:  # noqa: BLE001  (never stop the image: PyTorch, said once)
+                why = f"the refit for {lora_text(run.loras)} failed: {type(exc).__name__}: {exc}"
+                st.refits.fail(where, run.loras, why)
+                log.warning("sd-accel: %s", why)
+                run.reason = why
+                return
+            st.refits.add(where, refit, KEPT_REFITS)
+            run.line = refit.line(True)
+        else:
+            run.line = refit.line(False)
+        run.engines = run.counter = refit.engines
+        run.counter.reset_stats()
+
+    def diffusion_model(self, executor, x, timesteps=None, context=None, y=None, control=None,
+                        transformer_options=None, **kwargs):
+        """``diffusion_model`` wrapper: one UNet call, on engines where they cover it."""
+        options = transformer_options if transformer_options is not None else {}
+        run = self.run
+        if run is None:  # a call outside a sampling run (another pack calling the UNet directly)
+            run = Run(None, reason="a UNet call outside a sampling run: the patches on the weights are not known")
+
+        def torch_part(part: slice | None = None) -> torch.Tensor:
+            if part is None:
+                return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
+            return executor(x[part], timesteps[part], context[part], None if y is None else y[part], control,
+                            transformer_options, **kwargs)
+
+        reason = call_reason(control, options, kwargs, run.controlnets)
+        if reason is None and run.reason is None and run.refit:
+            self._refit(run, getattr(executor, "class_obj", None))
+        reason = reason or run.reason
+        if reason is None and run.engines is None:
+            reason = f"no engine for {self.ckpt_id}"
+        if reason is not None:
+            self._count_torch(run, reason)
+            return torch_part()
+        return run.engines(x, timesteps, context, y, torch_part)
+
+    def _count_torch(self, run: Run, reason: str) -> None:
+        if run.counter is not None:
+            run.counter.torch_call(reason)  # counted, and said once per reason
+            return
+        if reason not in run.torch_calls:
+            self.state.say_once(f"the UNet runs in PyTorch: {reason}")
+        run.torch_calls[reason] = run.torch_calls.get(reason, 0) + 1
+
+    def report(self, run: Run) -> str:
+        """``sd-accel: UNet calls this run: N on engines, M in PyTorch (k x why; ...)``."""
+        stats = run.counter.stats if run.counter is not None else None
+        on = stats.engine_calls if stats is not None else 0
+        reasons = dict(stats.fallbacks) if stats is not None else {}
+        for why, n in run.torch_calls.items():
+            reasons[why] = reasons.get(why, 0) + n
+        off = (stats.torch_calls if stats is not None else 0) + sum(run.torch_calls.values())
+        line = f"sd-accel: UNet calls this run: {on} on engines, {off} in PyTorch"
+        if reasons:
+            line += " (" + "; ".join(f"{n}x {why}" for why, n in reasons.items()) + ")"
+        if run.line:
+            line += f"\nsd-accel: {run.line}"
+        return line
+
+
+def apply_engines(patcher, st: State | None = None, cache_dir=None):
+    """A clone of ``patcher`` (a MODEL) whose UNet calls go to engines where they cover them."""
+    from sd_accel.comfyui.identity import checkpoint_id
+
+    st = st or state()
+    model = patcher.model
+    unet = model.diffusion_model
+    if host.source_of(model) is None and getattr(patcher, "backup", None):
+        from sd_accel.core import InvalidValue
+
+        raise InvalidValue("this MODEL was not loaded from a checkpoint file and its weights carry patches right "
+                           "now, so its base weights cannot be identified: apply sd-accel engines before the LoRA "
+                           "loaders, or load the model with a checkpoint loader")
+    ckpt = checkpoint_id(model, cache_dir or st.engine_dir(), fingerprint_of=unet)
+    clone = patcher.clone()
+    wrappers = host.wrappers()
+    for kind in (wrappers.OUTER_SAMPLE, wrappers.DIFFUSION_MODEL):
+        clone.remove_wrappers_with_key(kind, KEY)
+    binding = EngineUNet(ckpt, st)
+    clone.add_wrapper_with_key(wrappers.OUTER_SAMPLE, KEY, binding.outer_sample)
+    clone.add_wrapper_with_key(wrappers.DIFFUSION_MODEL, KEY, binding.diffusion_model)
+    engines, why = st.engines_or_reason(unet_weights_id(ckpt), COMPONENT)
+    if engines is None:
+        st.say_once(f"no UNet engine for {ckpt} yet ({why or 'none built'}): its calls run in PyTorch until one is "
+                    "built with the sd-accel Build Engines node")
+    return clone, binding

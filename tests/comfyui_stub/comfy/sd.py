@@ -1,0 +1,99 @@
+"""``comfy.sd``: the checkpoint loader (MODEL, CLIP, VAE), the VAE's decode/encode, LoRA loading.
+
+The stand-in checkpoint is a small JSON file (``{"seed": N}``); its weights come from the seed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+from comfy.model_base import BaseModel
+from comfy.model_patcher import ModelPatcher
+from comfy.weight_adapter import LoRAAdapter
+
+_WEBUI_VAE = Path(__file__).resolve().parents[2] / "webui_stub" / "ldm" / "modules" / "diffusionmodules" / "model.py"
+
+
+def _vae_module():
+    spec = importlib.util.spec_from_file_location("_comfy_stub_vae_model", _WEBUI_VAE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class AutoencoderKL(torch.nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        mod = _vae_module()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed + 1)
+            self.encoder = mod.Encoder()
+            self.decoder = mod.Decoder()
+            self.quant_conv = torch.nn.Conv2d(8, 8, 1)
+            self.post_quant_conv = torch.nn.Conv2d(4, 4, 1)
+
+    def decode(self, z, **kwargs):
+        return self.decoder(self.post_quant_conv(z), **kwargs)
+
+    def encode(self, x):
+        mean, _ = self.quant_conv(self.encoder(x)).chunk(2, dim=1)
+        return mean  # DiagonalGaussianRegularizer(sample=False)
+
+
+class VAE:
+    def __init__(self, first_stage_model):
+        self.first_stage_model = first_stage_model.eval()
+
+    def decode(self, samples_in):
+        out = []
+        for i in range(samples_in.shape[0]):  # ComfyUI sizes the batches by free memory: one here
+            out.append(self.first_stage_model.decode(samples_in[i:i + 1].float()))
+        images = torch.cat(out)
+        return torch.clamp((images + 1.0) / 2.0, 0.0, 1.0).movedim(1, -1)
+
+    def encode(self, pixel_samples):
+        x = pixel_samples.movedim(-1, 1) * 2.0 - 1.0
+        return self.first_stage_model.encode(x.float())
+
+
+class CLIP:
+    """Text -> a (1, 77 * chunks, 768) context, deterministic in the text (the tiny UNet's context width, 64)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.patcher = None
+
+    def encode(self, text: str) -> torch.Tensor:
+        chunks = max(1, (len(text.split()) + 74) // 75)
+        g = torch.Generator().manual_seed(abs(hash((text, self.seed))) % (1 << 31))
+        return torch.randn(1, 77 * chunks, 64, generator=g)
+
+
+def load_checkpoint_guess_config(ckpt_path, output_vae=True, output_clip=True, output_clipvision=False,
+                                 embedding_directory=None, output_model=True, model_options={}, te_model_options={}):  # noqa: B006  (ComfyUI's signature)
+    seed = int(json.loads(Path(ckpt_path).read_text()).get("seed", 0))
+    model = ModelPatcher(BaseModel(UNetModel(seed)).eval(), torch.device("cpu"), torch.device("cpu"))
+    return model, CLIP(seed), VAE(AutoencoderKL(seed)), None
+
+
+def lora_for(model: ModelPatcher, seed: int, rank: int = 2) -> dict:
+    """A LoRA's patches in ComfyUI's form (key -> LoRAAdapter) on the UNet's attention projections."""
+    g = torch.Generator().manual_seed(seed)
+    patches = {}
+    for key, w in model.model.state_dict().items():
+        if key.endswith(("attn1.to_v.weight", "attn2.to_v.weight", "to_out.0.weight")):
+            up = torch.randn(w.shape[0], rank, generator=g) * 0.5
+            down = torch.randn(rank, w.shape[1], generator=g) * 0.5
+            patches[key] = LoRAAdapter(set(), (up, down, torch.tensor(float(rank)), None, None, None))
+    return patches
+
+
+def load_lora_for_models(model, clip, lora, strength_model, strength_clip):
+    """``lora``: the patches (as ``comfy.lora.load_lora`` gives them)."""
+    new_model = model.clone()
+    new_model.add_patches(lora, strength_model)
+    return new_model, clip

@@ -1,0 +1,228 @@
+"""The ComfyUI node pack (``extension/comfyui`` + ``sd_accel.comfyui``) in the stand-in ComfyUI of
+``tests/comfyui_stub``: nodes by ComfyUI's conventions, engines built from ComfyUI's MODEL and VAE
+keyed as the WebUI keys the checkpoint, UNet calls on engines through ModelPatcher wrappers, LoRA
+patches refitted (two strengths, never stale), other patches and ControlNet to PyTorch by name.
+
+The engines are built once for the module (ONNX Runtime fp32, tiny models): the tests that use
+them are marked slow."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STUB = Path(__file__).resolve().parent / "comfyui_stub"
+sys.path.insert(0, str(STUB))
+import harness  # noqa: E402
+
+sys.path.remove(str(STUB))
+
+
+@pytest.fixture(autouse=True)
+def comfy_lean(monkeypatch, caplog):
+    """One ORT thread, caplog on the sd_accel logger, the stub's modules purged after."""
+    monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")
+    logger = logging.getLogger("sd_accel")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="sd_accel")
+    yield
+    logger.removeHandler(caplog.handler)
+    harness.purge()
+
+
+CUSTOM = "custom (ranges below)"
+BUILD = dict(components="unet+vae_decoder+vae_encoder", preset=CUSTOM, backend="onnxruntime", precision="fp32",
+             batch="1", height="64", width="64", tokens="77")
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    """Engines for the tiny checkpoint (UNet 64 px batch 1 with CFG, VAE halves), built once by the node."""
+    tmp = tmp_path_factory.mktemp("comfy-engines")
+    comfy = harness.start(tmp, tmp / "engines")
+    model, _, vae = comfy.load()
+    applied, report = comfy.node("SdAccelBuildEngines").build(model, vae=vae, **BUILD)
+    assert report.count("\n") == 2, report  # three engines
+    assert comfy.utils.UPDATES and comfy.utils.UPDATES[-1][0] == comfy.utils.UPDATES[-1][1]  # the bar reached its end
+    harness.purge()
+    return tmp / "engines"
+
+
+def _unet_calls(caplog) -> str:
+    lines = [r.getMessage() for r in caplog.records if "UNet calls this run" in r.getMessage()]
+    assert lines, "no run report"
+    return lines[-1]
+
+
+def test_nodes_follow_comfyui_conventions(tmp_path):
+    comfy = harness.start(tmp_path)
+    assert set(comfy.names) == set(comfy.nodes)
+    for name, cls in comfy.nodes.items():
+        inputs = cls.INPUT_TYPES()
+        assert set(inputs) <= {"required", "optional", "hidden"} and "required" in inputs, name
+        assert isinstance(cls.RETURN_TYPES, tuple) and callable(getattr(cls, cls.FUNCTION)), name
+        assert cls.CATEGORY == "sd-accel"
+    assert comfy.nodes["SdAccelApplyEngines"].RETURN_TYPES == ("MODEL",)
+    assert comfy.nodes["SdAccelVAEDecode"].INPUT_TYPES()["required"] == {"samples": ("LATENT",), "vae": ("VAE",)}
+
+
+def test_pack_without_sd_accel_loads_with_a_node_that_says_why(tmp_path):
+    comfy = harness.start(tmp_path, without_sd_accel=True)
+    assert list(comfy.nodes) == ["SdAccelUnavailable"]
+    with pytest.raises(RuntimeError, match="pip install -e"):
+        comfy.node("SdAccelUnavailable").why()
+
+
+def test_unusable_backend_or_precision_is_said_in_the_node(tmp_path, monkeypatch):
+    from sd_accel.backends import registry
+    from sd_accel.core import DeviceError, SdAccelError
+
+    comfy = harness.start(tmp_path)
+    model, _, vae = comfy.load()
+    build = comfy.node("SdAccelBuildEngines").build
+    with pytest.raises(SdAccelError, match="precision='bf16': the onnxruntime backend builds fp32"):
+        build(model, vae=vae, **{**BUILD, "precision": "bf16"})
+
+    def unusable(name="auto", cache_root=None, device=None):  # the registry's answer where TensorRT is missing
+        raise DeviceError(f"backend={name!r} cannot run here: TensorRT is not installed")
+
+    monkeypatch.setattr(registry, "get_backend", unusable)
+    with pytest.raises(SdAccelError, match="'tensorrt' cannot run here.*TensorRT is not installed"):
+        build(model, vae=vae, **{**BUILD, "backend": "tensorrt"})
+
+
+def test_interrupt_cancels_the_build(tmp_path):
+    comfy = harness.start(tmp_path)
+    model, _, vae = comfy.load()
+    comfy.model_management.interrupt_current_processing(True)
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        comfy.node("SdAccelBuildEngines").build(model, vae=vae, **{**BUILD, "components": "vae_decoder"})
+    from sd_accel.comfyui.state import state
+
+    assert not state().cache().list()
+
+
+@pytest.mark.slow
+def test_engines_serve_txt2img_keyed_like_the_webui(tmp_path, engine_dir, caplog):
+    from sd_accel.webui.identity import weights_id
+
+    comfy = harness.start(tmp_path, engine_dir)
+    model, clip, vae = comfy.load()
+    sha = hashlib.sha256(comfy.checkpoint.read_bytes()).hexdigest()[:10]
+    from sd_accel.comfyui.state import state
+
+    records = state().cache().list()
+    assert {r.key.model for r in records} == {weights_id(sha)}  # the WebUI's id for the same file
+    unet_record = next(r for r in records if r.key.component == "ldm_unet")
+    assert unet_record.extra["webui"]["hash"] == sha and unet_record.extra["webui"]["host"] == "comfyui"
+
+    reference = comfy.sample(model, clip, steps=3)
+    engines = comfy.node("SdAccelApplyEngines").apply(model)[0]
+    assert engines is not model and engines.model is model.model  # a clone, ComfyUI's way
+    got = comfy.sample(engines, clip, steps=3)
+    torch.testing.assert_close(got, reference, atol=2e-3, rtol=2e-3)
+    assert _unet_calls(caplog).startswith("sd-accel: UNet calls this run: 3 on engines, 0 in PyTorch")
+
+    # A size no profile covers: PyTorch, counted and said once, with the same result as torch.
+    caplog.clear()
+    other = comfy.sample(engines, clip, steps=2, size=80)
+    torch.testing.assert_close(other, comfy.sample(model, clip, steps=2, size=80), atol=1e-5, rtol=1e-5)
+    assert "0 on engines, 2 in PyTorch" in _unet_calls(caplog)
+
+    with torch.inference_mode():
+        images = comfy.node("SdAccelVAEDecode").decode({"samples": got}, vae)[0]
+        torch.testing.assert_close(images, vae.decode(got), atol=2e-3, rtol=2e-3)
+        assert "VAE decoder calls: 1 on engines, 0 in PyTorch" in caplog.text
+        latent = comfy.node("SdAccelVAEEncode").encode(images, vae)[0]["samples"]
+        torch.testing.assert_close(latent, vae.encode(images), atol=2e-3, rtol=2e-3)
+        assert "VAE encoder calls: 1 on engines" in caplog.text
+    assert "forward" not in vae.first_stage_model.decoder.__dict__  # its own forward back
+
+
+@pytest.mark.slow
+def test_lora_refits_at_two_strengths_and_is_never_stale(tmp_path, engine_dir, caplog):
+    comfy = harness.start(tmp_path, engine_dir)
+    model, clip, _ = comfy.load()
+    lora = comfy.sd.lora_for(model, seed=3)
+    engines = comfy.node("SdAccelApplyEngines").apply(model)[0]
+    base = comfy.sample(engines, clip)
+    results = {}
+    for strength in (1.0, 0.5, 1.0):
+        caplog.clear()
+        torch_lora, _ = comfy.sd.load_lora_for_models(model, clip, lora, strength, strength)
+        reference = comfy.sample(torch_lora, clip)
+        engine_lora, _ = comfy.sd.load_lora_for_models(engines, clip, lora, strength, strength)  # LoraLoader after
+        got = comfy.sample(engine_lora, clip)
+        torch.testing.assert_close(got, reference, atol=2e-3, rtol=2e-3)
+        assert (got - base).abs().max() > 1e-2  # the LoRA is in the image
+        report = _unet_calls(caplog)
+        assert "2 on engines, 0 in PyTorch" in report, report
+        results.setdefault(strength, []).append(report)
+    assert "refitted for" in results[1.0][0] and "kept from an earlier job" in results[1.0][1]
+    assert "refitted for" in results[0.5][0] and "at 0.5" not in results[1.0][0]
+    # Back to the plain MODEL: the base engine, with the LoRA taken out of the weights.
+    caplog.clear()
+    torch.testing.assert_close(comfy.sample(engines, clip), base, atol=2e-3, rtol=2e-3)
+    assert "2 on engines" in _unet_calls(caplog)
+
+
+@pytest.mark.slow
+def test_patches_controlnet_and_wrappers_run_torch_by_name(tmp_path, engine_dir, caplog):
+    comfy = harness.start(tmp_path, engine_dir)
+    model, clip, _ = comfy.load()
+    engines = comfy.node("SdAccelApplyEngines").apply(model)[0]
+
+    def output_block_patch(h, hsp, transformer_options):  # FreeU's kind of patch
+        return h * 1.1, hsp
+
+    freeu = engines.clone()
+    freeu.set_model_output_block_patch(output_block_patch)
+    torch_freeu = model.clone()
+    torch_freeu.set_model_output_block_patch(output_block_patch)
+    torch.testing.assert_close(comfy.sample(freeu, clip), comfy.sample(torch_freeu, clip))
+    report = _unet_calls(caplog)
+    assert "0 on engines, 2 in PyTorch" in report and "output_block_patch" in report
+    assert "test_patches_controlnet_and_wrappers_run_torch_by_name.output_block_patch" in report
+
+    class ControlNet:
+        previous_controlnet = None
+
+        def get_control(self, x, t, cond, batch):
+            return {"output": [torch.full_like(x, 0.01)], "middle": [], "input": []}
+
+    caplog.clear()
+    comfy.sample(engines, clip, control=ControlNet())
+    report = _unet_calls(caplog)
+    assert "0 on engines, 2 in PyTorch" in report and "ControlNet residuals (ControlNet)" in report
+
+    def other_pack_wrapper(executor, *args, **kwargs):
+        return executor(*args, **kwargs)
+
+    wrapped = engines.clone()
+    wrapped.add_wrapper_with_key("diffusion_model", "other_pack", other_pack_wrapper)
+    caplog.clear()
+    comfy.sample(wrapped, clip)
+    assert "other UNet wrappers" in _unet_calls(caplog) and "other_pack_wrapper" in _unet_calls(caplog)
+
+
+def test_patch_sets_name_each_lora_and_strength(tmp_path):
+    from sd_accel.comfyui.identity import patch_set, unet_weights_id
+
+    comfy = harness.start(tmp_path)
+    model, clip, _ = comfy.load()
+    a, b = comfy.sd.lora_for(model, seed=1), comfy.sd.lora_for(model, seed=2)
+
+    def loras(lora, strength):
+        return patch_set(comfy.sd.load_lora_for_models(model, clip, lora, strength, strength)[0].patches)
+
+    a1, a05, b1 = loras(a, 1.0), loras(a, 0.5), loras(b, 1.0)
+    assert a1[0][0] == a05[0][0] and (a1[0][1], a05[0][1]) == (1.0, 0.5)  # one LoRA, two strengths
+    assert a1[0][0] != b1[0][0]  # same keys, another LoRA: another name (never the other's engine)
+    assert loras(a, 0.0) == () and patch_set(model.patches) == ()
+    ids = {unet_weights_id("ckpt-0123456789", s) for s in (a1, a05, b1, ())}
+    assert len(ids) == 4 and "ckpt-0123456789" in ids
