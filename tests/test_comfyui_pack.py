@@ -18,7 +18,7 @@ import torch
 
 STUB = Path(__file__).resolve().parent / "comfyui_stub"
 sys.path.insert(0, str(STUB))
-import harness  # noqa: E402
+import comfy_harness as harness  # noqa: E402  (named apart from tests/webui_stub/harness.py: one sys.modules)
 
 sys.path.remove(str(STUB))
 

@@ -13,12 +13,11 @@ comes with it.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 
 import torch
 
-from sd_accel.webui.tracing import module_context, plain_heads_attention, plain_spatial_attention
+from sd_accel.webui.tracing import module_context, plain_heads_attention, replaced_attention
 
 _ATTENTION = "comfy.ldm.modules.attention"
 
@@ -33,28 +32,15 @@ def plain_comfy_attention(q, k, v, heads, mask=None, attn_precision=None, skip_r
     return out
 
 
-@contextlib.contextmanager
-def plain_attention(module: torch.nn.Module) -> Iterator[None]:
+_COMFY_ATTENTION = (
+    (_ATTENTION, "optimized_attention", plain_comfy_attention),
+    (_ATTENTION, "optimized_attention_masked", plain_comfy_attention),
+)
+
+
+def plain_attention(module: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
     """ComfyUI's attention functions replaced by plain ones for the block; its own after."""
-    saved: list[tuple[object, str, object]] = []
-    owner = sys.modules.get(_ATTENTION)
-    if owner is not None:
-        for attr in ("optimized_attention", "optimized_attention_masked"):
-            if callable(getattr(owner, attr, None)):
-                saved.append((owner, attr, getattr(owner, attr)))
-                setattr(owner, attr, plain_comfy_attention)
-    for sub in module.modules():
-        if type(sub).__name__ == "AttnBlock" and callable(sub.__dict__.get("optimized_attention")):
-            saved.append((sub, "optimized_attention", sub.__dict__["optimized_attention"]))
-            sub.__dict__["optimized_attention"] = plain_spatial_attention
-    try:
-        yield
-    finally:
-        for obj, attr, old in reversed(saved):
-            if isinstance(obj, torch.nn.Module):
-                obj.__dict__[attr] = old
-            else:
-                setattr(obj, attr, old)
+    return replaced_attention(module, _COMFY_ATTENTION)
 
 
 @contextlib.contextmanager

@@ -114,13 +114,15 @@ _FORGE_ATTENTION = (
 
 
 @contextlib.contextmanager
-def plain_forge_attention(module: torch.nn.Module) -> Iterator[None]:
-    """Forge's attention functions (module globals, and the ``optimized_attention`` each Forge 1
-    VAE ``AttnBlock`` keeps) replaced by plain ones for the block; Forge's own after."""
+def replaced_attention(module: torch.nn.Module, replacements: tuple[tuple[str, str, object], ...]) -> Iterator[None]:
+    """For the block, each ``(module name, attribute, plain function)`` of ``replacements`` (a
+    host's attention, picked at start-up and called through module globals) and the
+    ``optimized_attention`` each VAE ``AttnBlock`` of ``module`` keeps (Forge 1, ComfyUI) become
+    plain attention; the host's own after. Modules not imported are left alone."""
     import sys
 
-    saved: list[tuple[object, str, object]] = []  # (module or nn.Module, attribute, Forge's value)
-    for module_name, attr, plain in _FORGE_ATTENTION:
+    saved: list[tuple[object, str, object]] = []  # (module or nn.Module, attribute, the host's value)
+    for module_name, attr, plain in replacements:
         owner = sys.modules.get(module_name)
         if owner is not None and callable(getattr(owner, attr, None)):
             saved.append((owner, attr, getattr(owner, attr)))
@@ -137,6 +139,12 @@ def plain_forge_attention(module: torch.nn.Module) -> Iterator[None]:
                 owner.__dict__[attr] = old
             else:
                 setattr(owner, attr, old)
+
+
+def plain_forge_attention(module: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Forge's attention functions (module globals, and the ``optimized_attention`` each Forge 1
+    VAE ``AttnBlock`` keeps) replaced by plain ones for the block; Forge's own after."""
+    return replaced_attention(module, _FORGE_ATTENTION)
 
 
 @contextlib.contextmanager
