@@ -146,8 +146,9 @@ _SAMPLERS: tuple[_Sampler, ...] = (
     # LCMScheduler ignores timestep_spacing: it always walks its own distilled timestep grid.
     _Sampler("LCM", "LCMScheduler", schedules=(AUTOMATIC,), stochastic=True),
     # Trajectory Consistency Distillation (TCD-LoRA / TCD models): its stochasticity is the call's
-    # ``eta`` (the paper's gamma; 0.3 is its default, 0 deterministic): GenerationParams(eta=...).
-    _Sampler("TCD", "TCDScheduler", schedules=(AUTOMATIC,), stochastic=True),
+    # ``eta`` (the paper's gamma, 0.3 in its examples): GenerationParams(eta=...). diffusers' SD
+    # pipelines pass eta=0 unless told, and at 0 TCD is deterministic: the noise seed changes nothing.
+    _Sampler("TCD", "TCDScheduler", schedules=(AUTOMATIC,), stochastic=False),
     # Not in the WebUI (ComfyUI and Forge call it "deis"); offered because diffusers has it.
     _Sampler("DEIS", "DEISMultistepScheduler", (("algorithm_type", "deis"), ("solver_order", 2))),
 )

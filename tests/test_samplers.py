@@ -72,7 +72,8 @@ EXPECTED: dict[str, tuple[str, dict]] = {
 }
 
 SECOND_ORDER = {"Heun", "DPM2", "DPM2 a", "DPM++ SDE"}
-STOCHASTIC = {"Euler a", "DPM2 a", "DPM++ SDE", "DPM++ 2M SDE", "DPM++ 2M SDE Heun", "LCM", "TCD"}
+# TCD only with eta > 0 (diffusers' pipelines pass 0): tested below.
+STOCHASTIC = {"Euler a", "DPM2 a", "DPM++ SDE", "DPM++ 2M SDE", "DPM++ 2M SDE Heun", "LCM"}
 
 
 def _copy(pipe):
@@ -104,10 +105,11 @@ def _latents(pipe, seed: int = 0) -> torch.Tensor:
     return torch.randn((1, channels, SIZE // 8, SIZE // 8), generator=torch.Generator().manual_seed(seed))
 
 
-def _generate(pipe, noise_seed: int = 0) -> np.ndarray:
+def _generate(pipe, noise_seed: int = 0, **call) -> np.ndarray:
     """STEPS steps from fixed initial latents; ``noise_seed`` only feeds the sampler's own noise."""
     return pipe(
         "a red apple",
+        **call,
         num_inference_steps=STEPS,
         height=SIZE,
         width=SIZE,
@@ -530,3 +532,11 @@ def test_unknown_sampler_points_to_the_command_that_lists_every_name():
         resolve("zzzz")
     with pytest.raises(ValueError, match=r"closest matches: Euler.*`sd-accel samplers` lists all"):
         resolve("Eular")
+
+
+def test_tcd_takes_the_noise_seed_only_with_eta(sd15):
+    """TCD's gamma is the call's ``eta``: at the pipelines' default 0 it is deterministic, at 0.3
+    (its paper's value) the sampler's own noise changes the image."""
+    apply_sampler(sd15, "TCD")
+    assert np.array_equal(_generate(sd15, noise_seed=0), _generate(sd15, noise_seed=1))
+    assert not np.allclose(_generate(sd15, 0, eta=0.3), _generate(sd15, 1, eta=0.3), atol=1e-4)
