@@ -36,11 +36,21 @@ _XDIST_GROUPS = {
 }
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            name = item.path.name
-            item.add_marker(pytest.mark.xdist_group(_XDIST_GROUPS.get(name, name)))
+@pytest.hookimpl(optionalhook=True)  # without pytest-xdist (-p no:xdist) there is no such hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` by file (and ``_XDIST_GROUPS``), decided on the controller. Marking items
+    ``xdist_group`` does not work with pytest 9: the worker renames ``item._nodeid``, which pytest 9
+    no longer reads, so every test was scheduled alone and both workers made each module's fixtures."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _XDIST_GROUPS.get(path.rsplit("/", 1)[-1], path)
+
+    return FileGroups(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,9 @@ def test_lcm_lora_on_engines_by_refit_and_a_strength_change_is_a_refit(lcm_lora,
     config = AccelConfig(precision="fp32", sampler="LCM")
 
     pipe = load_pipeline("builtin:tiny-sd15")
-    build_engines(pipe, profiles=[CFG_OFF], components=["unet"], backend=backend, engine_dir=tmp_path, progress=False)
+    # fp32 to compare at 1e-3: OpenVINO's default is bf16 where the CPU has it (AVX512-BF16, AMX)
+    build_engines(pipe, profiles=[CFG_OFF], components=["unet"], backend=backend, precision="fp32",
+                  engine_dir=tmp_path, progress=False)
     accelerate(pipe, config, engines=True, backend=backend, engine_dir=str(tmp_path))
     pipe.load_lora_weights(lcm_lora, adapter_name="lcm")
     assert set(refit_engines(pipe, progress=False)) == {"unet"}

@@ -378,8 +378,12 @@ def serve(config: ServeConfig | None = None, *, blocking: bool = True, **fields:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     server = Server(f"http://{host}:{config.port}", config.app_name)
     if blocking:
+        # A shell starts a script's background jobs with SIGINT ignored (so that a Ctrl-C meant for
+        # the foreground command spares them), and Python keeps it so: honour that, but say it.
+        stop_with = "SIGTERM stops it (SIGINT is ignored: it was started so, as a background job)" \
+            if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "Ctrl-C stops it"
         print(f"sd-accel serve: {config.model} on {server.url} "
-              f"({config.num_replicas} replica(s), batch up to {config.max_batch_size}); Ctrl-C stops it", flush=True)
+              f"({config.num_replicas} replica(s), batch up to {config.max_batch_size}); {stop_with}", flush=True)
         # SIGTERM (what process managers send) takes the same way out as Ctrl-C.
         previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
             else None
