@@ -53,6 +53,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return FileGroups(config, log)
 
 
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():
+    """Each test leaves logging as it found it: the WebUI console's handler on ``sd_accel`` (which
+    prints to the stdout of the moment) and the CLI's ``basicConfig`` root handler otherwise stay
+    for every later test of the worker, and a CLI's ``--json`` output then had log lines in it."""
+    import logging
+
+    loggers = [logging.getLogger(), logging.getLogger("sd_accel")]
+    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
+    yield
+    for lg, (handlers, level, propagate) in zip(loggers, saved, strict=True):
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate = propagate
+
+
 @pytest.fixture(scope="session")
 def session_tmp() -> Path:
     return _SESSION_TMP

@@ -356,3 +356,147 @@ def test_webui_controlnet_units_are_read_and_refused_by_name():
                        ({"image": "not base64!"}, "base64")):
         with pytest.raises(InvalidValue, match=match):
             parse_controlnet_units({"controlnet": {"args": [{**args[2], **bad}]}})
+
+
+# ---------------------------------------------------------------- the service (sd-accel serve)
+
+def _unit_args(model: str = "cn [d14c016b]", module: str = "canny", **more) -> dict:
+    """One sd-webui-controlnet API unit, its hint a white disc on black (as a client sends it)."""
+    import base64
+    import io
+
+    from PIL import Image, ImageDraw
+
+    photo = Image.new("RGB", (64, 64), "black")
+    ImageDraw.Draw(photo).ellipse([12, 12, 52, 52], fill="white")
+    buf = io.BytesIO()
+    photo.save(buf, format="PNG")
+    return {"enabled": True, "image": base64.b64encode(buf.getvalue()).decode(), "module": module,
+            "model": model, "weight": 0.8, "threshold_a": 50, "threshold_b": 150, **more}
+
+
+@pytest.fixture(scope="module")
+def controlnet_dir(tmp_path_factory):
+    """A service's ControlNet folder: the tiny model's ControlNet (seed 0: the weights of the
+    engines in ``sd15_control_engines``) as an original-layout single file named ``cn``."""
+    from sd_accel import load_pipeline
+
+    from support.controlnet_layout import save_controlnet_file
+
+    folder = tmp_path_factory.mktemp("controlnets")
+    save_controlnet_file(tiny_controlnet(load_pipeline("builtin:tiny-sd15").unet), folder / "cn.safetensors")
+    (folder / "notes.txt").write_text("not a ControlNet")
+    return folder
+
+
+def _replica(controlnet_dir, **accel):
+    from sd_accel import load_pipeline
+    from sd_accel.serve.config import ServeConfig
+    from sd_accel.serve.replica import ModelServer
+
+    accel = {"engines": False, "precision": "fp32", "sampler": "Euler", **accel}
+    config = ServeConfig(accel=accel, controlnet_dir=str(controlnet_dir), num_cpus=1, max_batch_size=2,
+                         batch_wait_ms=300)
+    return ModelServer(config, pipe=accelerate(load_pipeline("builtin:tiny-sd15"), config.accel))
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    import io
+
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)), dtype=np.int16)
+
+
+def test_service_reads_controlnet_units_and_refuses_other_scripts_by_name():
+    from sd_accel.core import InvalidValue
+    from sd_accel.serve.txt2img import parse_txt2img
+
+    body = {"prompt": "x", "alwayson_scripts": {"ControlNet": {"args": [_unit_args(), {"enabled": False}]},
+                                                "Extra options": {"args": []}}}
+    req = parse_txt2img(body)
+    assert [u.model for u in req.control] == ["cn"]
+    sent = req.backend_request()
+    assert sent["controlnet"][0]["model"] == "cn" and sent["controlnet"][0]["weight"] == 0.8
+    assert "controlnet" not in parse_txt2img({"prompt": "x"}).backend_request()
+    with pytest.raises(InvalidValue, match="alwayson_scripts.Refiner is not supported"):
+        parse_txt2img({"prompt": "x", "alwayson_scripts": {"Refiner": {"args": [True, "base", 0.8]}}})
+    with pytest.raises(InvalidValue, match="alwayson_scripts"):
+        parse_txt2img({"prompt": "x", "alwayson_scripts": ["controlnet"]})
+
+
+@pytest.mark.slow
+def test_service_replica_runs_controlnet_units_batches_equal_ones_and_names_what_it_lacks(controlnet_dir):
+    import asyncio
+
+    from sd_accel.core import InvalidValue
+    from sd_accel.serve.controlnet_units import parse_controlnet_units
+
+    replica = _replica(controlnet_dir)
+    assert sorted(replica.controlnets) == ["cn"]  # the text file is not listed
+    units = [u.to_dict() for u in parse_controlnet_units({"controlnet": {"args": [_unit_args()]}})]
+    req = {"prompt": "a cat", "steps": 2, "cfg": 7.0, "width": 64, "height": 64, "seed": 5, "batch": 1}
+    plain = asyncio.run(replica.generate(req))
+    solo = asyncio.run(replica.generate(dict(req, controlnet=units)))
+    assert np.abs(_pixels(solo["images"][0]) - _pixels(plain["images"][0])).max() > 8  # the ControlNet acted
+    assert 'ControlNet 0: "Module: canny, Model: cn, Weight: 0.8' in solo["infotexts"][0]
+
+    async def together():
+        return await asyncio.gather(replica.generate(dict(req, controlnet=units)),
+                                    replica.generate(dict(req, seed=6, controlnet=units)),
+                                    replica.generate(dict(req, seed=7)))
+
+    first, second, alone = asyncio.run(together())
+    assert first["call_sizes"] == [2] and second["call_sizes"] == [2]  # same units: one call
+    assert alone["call_sizes"] == [1]  # no ControlNet: never in a ControlNet call
+    assert np.abs(_pixels(first["images"][0]) - _pixels(solo["images"][0])).max() <= 2
+    with pytest.raises(InvalidValue, match="not in this service's controlnet_dir; it has: cn"):
+        asyncio.run(replica.generate(dict(req, controlnet=[dict(units[0], model="depth")])))
+
+
+@pytest.mark.slow
+def test_service_controlnet_runs_on_engines_and_its_routes_list_the_models(sd15_control_engines, controlnet_dir):
+    import asyncio
+
+    from fastapi.testclient import TestClient
+
+    from sd_accel.serve.app import build_app
+    from sd_accel.serve.controlnet_units import parse_controlnet_units
+
+    engines = str(sd15_control_engines[0])
+    on_engines = _replica(controlnet_dir, engines=True, backend="onnxruntime", engine_dir=engines)
+    in_torch = _replica(controlnet_dir)
+    units = [u.to_dict() for u in parse_controlnet_units({"controlnet": {"args": [_unit_args(weight=1.2)]}})]
+    req = {"prompt": "a cat", "steps": 2, "cfg": 7.0, "width": 64, "height": 64, "seed": 1, "batch": 1,
+           "controlnet": units}
+    got = asyncio.run(on_engines.generate(req))
+    want = asyncio.run(in_torch.generate(req))
+    assert np.abs(_pixels(got["images"][0]) - _pixels(want["images"][0])).max() <= 2
+    used = stats(on_engines.control_pipe(("cn",)))
+    assert used["controlnet"]["engine_calls"] == 2 and used["controlnet"]["torch_calls"] == 0
+    assert used["unet_control"]["engine_calls"] == 2 and used["unet_control"]["torch_calls"] == 0
+
+    class Backend:
+        async def generate(self, request):
+            return await in_torch.generate(request)
+
+        async def health(self):
+            return {"ok": True}
+
+    client = TestClient(build_app(on_engines.config, Backend()))
+    assert client.get("/controlnet/model_list").json() == {"model_list": ["cn"]}
+    assert client.get("/controlnet/module_list").json()["module_list"] == ["none", "canny"]
+    answer = client.post("/sdapi/v1/txt2img", json={
+        "prompt": "a cat", "steps": 2, "width": 64, "height": 64, "seed": 1,
+        "alwayson_scripts": {"controlnet": {"args": [_unit_args(weight=1.2)]}}})
+    assert answer.status_code == 200, answer.text
+    assert "ControlNet 0" in json_info(answer)["infotexts"][0]
+    bad = client.post("/sdapi/v1/txt2img", json={"prompt": "x", "alwayson_scripts": {
+        "controlnet": {"args": [_unit_args(module="openpose")]}}})
+    assert bad.status_code == 422 and "canny preprocessor" in bad.json()["detail"]
+
+
+def json_info(answer) -> dict:
+    import json
+
+    return json.loads(answer.json()["info"])

@@ -92,6 +92,20 @@ def test_anonymous_weights_are_spilled_and_compute_the_same(tmp_path):
     assert weights.park(module, tmp_path, "big") is spill  # parking again only pages out
 
 
+def test_a_parked_module_deep_copies_and_the_copy_owns_its_weights(tmp_path):
+    """A once-accelerated pipeline copied for another use (the suite's ``fresh``) failed: a memory map
+    cannot be copied. The copy holds its weights in ordinary memory and is not parked."""
+    torch.manual_seed(0)
+    module = Big()
+    reference = copy.deepcopy(module)
+    assert weights.park(module, tmp_path, "big") is not None
+    twin = copy.deepcopy(module)
+    assert weights.parked(twin) is None and weights.parked(module) is not None
+    _same_weights(twin, reference)
+    twin.a.weight.data.add_(1.0)  # its own memory: the parked module is untouched
+    _same_weights(module, reference)
+
+
 @needs_proc
 def test_memory_mapped_weights_stay_in_their_file_and_hashing_leaves_them_out(tmp_path):
     from safetensors import safe_open

@@ -126,7 +126,7 @@ def test_txt2img_maps_webui_fields_onto_generation_params():
     ({"batch_size": 40, "n_iter": 2}, "80 images; at most 64"),
     ({"n_iter": 0}, "n_iter=0"),
     ({"enable_hr": True}, "enable_hr=true is not supported"),
-    ({"alwayson_scripts": {"controlnet": {}}}, "alwayson_scripts=.* is not supported"),
+    ({"alwayson_scripts": {"ADetailer": {"args": [True]}}}, "alwayson_scripts.ADetailer is not supported"),
     ([1, 2], "must be a JSON object"),
 ])
 def test_txt2img_refuses_bad_requests_with_the_reason(body, reason):

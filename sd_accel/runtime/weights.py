@@ -65,6 +65,15 @@ class ParkedWeights:
     mapping: mmap.mmap | None
     signature: tuple  # the module's tensors right after parking (see :func:`_signature`)
 
+    # A copy of a parked module (``copy.deepcopy``, pickle: ``torch.save``, a pipeline copied for a
+    # second use) holds new tensors in ordinary memory, so it is not parked; and a memory map can
+    # be neither copied nor pickled, which made every copy of a once-accelerated pipeline fail.
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return _not_parked, ()
+
     def describe(self) -> str:
         parts = []
         if self.mapped_bytes:
@@ -72,6 +81,10 @@ class ParkedWeights:
         if self.spilled_bytes:
             parts.append(f"{format_size(self.spilled_bytes)} from the spill file {self.path}")
         return ", ".join(parts) or "no weights"
+
+
+def _not_parked() -> None:
+    return None
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -7,6 +7,8 @@ Routes (every one behind the bearer token when one is set, the docs and unknown 
   reaches any queue), 503 with ``Retry-After`` when the replicas are full or one died
   under it, 504 when it ran past ``request_timeout_s``;
 - ``GET /sdapi/v1/samplers``: the sampler names, as the WebUI lists them;
+- ``GET /controlnet/model_list``, ``/controlnet/module_list``: sd-webui-controlnet's, for the
+  ControlNets of ``controlnet_dir`` and the preprocessors built in (none, canny);
 - ``GET /sd-accel/engines``: the engine cache the replicas read;
 - ``GET /sd-accel/health``: 200 when a replica can take requests, else 503 (also while shutting down).
 
@@ -41,7 +43,8 @@ class Unavailable(SdAccelError, RuntimeError):
 
 class Backend(Protocol):
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``request``: GenerationParams fields. Raises Busy, Unavailable or InvalidValue."""
+        """``request``: GenerationParams fields (and ``controlnet``: ControlUnit dicts). Raises Busy,
+        Unavailable or InvalidValue."""
 
     async def health(self) -> dict[str, Any]:
         """``{"ok": bool, ...}``: whether a replica can take requests, and details."""
@@ -190,7 +193,7 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
         life.inflight += 1
         started = time.perf_counter()
         try:
-            result = await life.until_stopped(asyncio.wait_for(backend.generate(req.params.to_dict()),
+            result = await life.until_stopped(asyncio.wait_for(backend.generate(req.backend_request()),
                                                                timeout=config.request_timeout_s))
         except Stopped as exc:
             return error(503, str(exc), {"Retry-After": retry_after})
@@ -216,6 +219,17 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
         from sd_accel.samplers import list_presets
 
         return [{"name": name, "aliases": [], "options": {}} for name in list_presets(available_only=True)]
+
+    # sd-webui-controlnet's routes, which its clients read to fill their menus.
+    @app.get("/controlnet/model_list")
+    async def controlnet_models():
+        from sd_accel.serve.controlnet_units import controlnet_files
+
+        return {"model_list": sorted(await asyncio.to_thread(controlnet_files, config.controlnet_dir))}
+
+    @app.get("/controlnet/module_list")
+    async def controlnet_modules():
+        return {"module_list": ["none", "canny"]}
 
     @app.get("/sd-accel/engines")
     async def engines():

@@ -45,6 +45,7 @@ class BatchKey:
     steps: int
     cfg: float
     sampler: str | None  # None: the replica's default scheduler
+    control: tuple = ()  # the ControlNet units' keys (ControlUnit.key), in order; () without ControlNet
 
 
 @dataclass(eq=False)
@@ -305,7 +306,7 @@ def engine_batch_limit(pipe, key: BatchKey) -> int | None:
     limits = []
     scale = getattr(pipe, "vae_scale_factor", 8) or 8
     latent = (key.height // scale, key.width // scale)
-    for slot in ("text_encoder", "text_encoder_2", "unet", "vae"):
+    for slot in ("text_encoder", "text_encoder_2", "controlnet", "unet", "vae"):
         module = getattr(pipe, slot, None)
         engines_by_component = getattr(module, "engines", None)
         if not isinstance(engines_by_component, dict):
@@ -313,7 +314,7 @@ def engine_batch_limit(pipe, key: BatchKey) -> int | None:
         for component, engines in engines_by_component.items():
             if component == "vae_encoder":
                 continue  # txt2img never encodes images
-            per_image = 2 if component == "unet" and key.cfg > 1 else 1
+            per_image = 2 if component in ("unet", "unet_control", "controlnet") and key.cfg > 1 else 1
             best = 0
             for handle in getattr(engines, "handles", []):
                 if getattr(handle, "broken", None):
@@ -339,8 +340,9 @@ def _covers_latent(shapes: dict, latent: tuple[int, int]) -> bool:
 
 
 def run_pipeline(pipe, key: BatchKey, items: Sequence[WorkItem], should_stop: Callable[[], bool],
-                 scheduler=None) -> list:
+                 scheduler=None, extra: dict | None = None) -> list:
     """One pipeline call for ``items`` (one image each, own prompt and seed); PIL images in order.
+    ``extra``: more call arguments (a ControlNet pipeline's hint images and scales).
 
     Raises ``Abandoned`` at a step boundary when ``should_stop()`` turns True.
     """
@@ -367,4 +369,5 @@ def run_pipeline(pipe, key: BatchKey, items: Sequence[WorkItem], should_stop: Ca
         num_images_per_prompt=1,
         generator=generators,
         callback_on_step_end=on_step_end,
+        **(extra or {}),
     ).images

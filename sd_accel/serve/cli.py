@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-engines", action="store_true", help="serve torch only, without engines")
     p.add_argument("--tiny-vae", default=None, metavar="PATH",
                    help="decode with the tiny autoencoder (TAESD): a diffusers folder or taesd_decoder.safetensors")
+    p.add_argument("--controlnet-dir", default=None, metavar="DIR",
+                   help="a folder of ControlNets that requests name in alwayson_scripts.controlnet (by file name)")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; 0.0.0.0 opens it)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--token", default=None, help="bearer token every route checks (default $SD_ACCEL_SERVE_TOKEN)")
@@ -54,7 +56,8 @@ def config_from_args(args: argparse.Namespace):
     fields = {name: getattr(args, name) for name in (
         "model", "allow_pickle", "engine_dir", "host", "port", "token", "num_replicas", "num_cpus", "num_gpus",
         "max_batch_size", "batch_wait_ms", "max_ongoing_requests", "max_queued_requests", "request_timeout_s",
-        "retry_after_s", "max_request_bytes", "shutdown_grace_s", "build_missing", "build_preset", "address")}
+        "retry_after_s", "max_request_bytes", "shutdown_grace_s", "build_missing", "build_preset", "address",
+        "controlnet_dir")}
     return make_config(args.config, accel=accel, **fields)
 
 

@@ -62,6 +62,8 @@ class ServeConfig:
       ``build_precision``; by default the family's preset with batch 1 to ``max_batch_size``)
       once before traffic, on a node of the replicas' kind.
     - ``address``: the Ray cluster to join (default ``$RAY_ADDRESS``, else a local Ray).
+    - ``controlnet_dir``: a folder of ControlNets (single files or diffusers folders) that requests
+      name in ``alwayson_scripts.controlnet`` (sd-webui-controlnet's API), by file or folder name.
 
     >>> ServeConfig(max_batch_size=0)
     Traceback (most recent call last):
@@ -94,6 +96,7 @@ class ServeConfig:
     object_store_mb: int = 256
     max_request_bytes: int = 1 << 20
     shutdown_grace_s: float = 30.0
+    controlnet_dir: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.accel, dict):
@@ -110,6 +113,11 @@ class ServeConfig:
             self.accel = dataclasses.replace(self.accel, engine_dir=self.engine_dir)
         elif self.accel.engine_dir is not None:
             self.engine_dir = str(Path(self.accel.engine_dir).expanduser().resolve())
+        if self.controlnet_dir is not None:
+            folder = Path(str(self.controlnet_dir)).expanduser().resolve()
+            if not folder.is_dir():
+                _bad("controlnet_dir", self.controlnet_dir, "an existing folder of ControlNet files")
+            self.controlnet_dir = str(folder)
         if not isinstance(self.model, str) or not self.model:
             _bad("model", self.model, "a checkpoint file, a diffusers folder or builtin:tiny-sd15")
         for flag in ("allow_pickle", "build_missing"):

@@ -8,18 +8,21 @@ dropped), ``weight``, ``guidance_start``/``guidance_end``, ``enabled``, ``contro
 by name rather than ignored: preprocessors other than ``none`` and ``canny`` (send the hint
 image itself), and the extension's ``control_mode`` weighting other than ``Balanced``.
 
-Not yet wired into the replica (``txt2img.REFUSED_UNLESS`` still refuses ``alwayson_scripts``):
-this is the parsing half, pure, for the service to map each unit's model name to a ControlNet file
-and to batch requests of the same units together.
+The replica maps each unit's model name to a file or diffusers folder of the service's
+``controlnet_dir`` (:func:`controlnet_files`) and batches requests whose units are equal
+(:meth:`ControlUnit.key`: the image by its digest).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
+import hashlib
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sd_accel.core import InvalidValue
@@ -41,6 +44,33 @@ class ControlUnit:
     guidance_end: float = 1.0
     low: float = 100.0  # canny thresholds (threshold_a, threshold_b)
     high: float = 200.0
+
+    def key(self) -> tuple:
+        """What makes two units give the same call: everything, the image by its digest."""
+        return (self.model, hashlib.sha256(self.image).hexdigest()[:20], self.module, self.weight,
+                self.guidance_start, self.guidance_end, self.low, self.high)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for the replica's handle (``ControlUnit(**data)`` reads it back)."""
+        return dataclasses.asdict(self)
+
+
+# The suffixes of the ControlNet files people download (pickle ones load only with allow_pickle).
+FILE_SUFFIXES = (".safetensors", ".pth", ".ckpt", ".pt", ".bin")
+
+
+def controlnet_files(folder: str | Path | None) -> dict[str, Path]:
+    """The ControlNets of ``folder`` by the name a request gives: each single file by its stem,
+    each diffusers folder (one holding ``config.json``) by its name. Empty without a folder."""
+    if folder is None:
+        return {}
+    found: dict[str, Path] = {}
+    for entry in sorted(Path(folder).iterdir()):
+        if entry.is_file() and entry.suffix.lower() in FILE_SUFFIXES and not entry.name.startswith("."):
+            found.setdefault(entry.stem, entry)
+        elif entry.is_dir() and (entry / "config.json").is_file():
+            found.setdefault(entry.name, entry)
+    return found
 
 
 def _number(unit: dict, name: str, default: float, lo: float, hi: float, where: str) -> float:

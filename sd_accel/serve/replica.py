@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import io
 import logging
 import os
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sd_accel.core import InvalidValue
 from sd_accel.generate import GenerationParams, parameters_text
 from sd_accel.serve.batching import Batcher, BatchKey, Job, engine_batch_limit, run_pipeline
 from sd_accel.serve.config import ServeConfig
@@ -139,6 +141,11 @@ class ModelServer:
         self.model_sampler = webui_name(pipe.scheduler) or type(pipe.scheduler).__name__
         self._schedulers: dict[str, Any] = {}
         self._limits: dict[BatchKey, int] = {}
+        from sd_accel.serve.controlnet_units import controlnet_files
+
+        self.controlnets = controlnet_files(self.config.controlnet_dir)  # name -> file; loaded on first use
+        self._control_pipes: dict[tuple[str, ...], Any] = {}
+        self._control_units: collections.OrderedDict[tuple, list] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.unet_batches: collections.Counter[int] = collections.Counter()
         self.requests = 0
@@ -182,8 +189,9 @@ class ModelServer:
         side = unet.sample_size * getattr(self.pipe, "vae_scale_factor", 8)
         return side, side
 
-    def job_for(self, params: GenerationParams) -> Job:
-        """The job for one validated request; a seed of -1 is drawn here."""
+    def job_for(self, params: GenerationParams, control: tuple = ()) -> Job:
+        """The job for one validated request; a seed of -1 is drawn here. ``control``: its
+        ControlNet units' keys (:meth:`control_for`)."""
         width, height = params.width, params.height
         if width is None or height is None:
             dw, dh = self.default_size()
@@ -194,7 +202,8 @@ class ModelServer:
 
             sampler = resolve(sampler).name  # one spelling, so "euler a" batches with "Euler a"
         seed = params.resolved_seed()
-        key = BatchKey(width=width, height=height, steps=params.steps, cfg=float(params.cfg), sampler=sampler)
+        key = BatchKey(width=width, height=height, steps=params.steps, cfg=float(params.cfg), sampler=sampler,
+                       control=control)
         prompt, _ = clip_prompt(self.tokenizer, params.prompt)
         negative, _ = clip_prompt(self.tokenizer, params.negative_prompt)
         return Job(key, prompt, negative, [seed + i for i in range(params.batch)])
@@ -214,11 +223,57 @@ class ModelServer:
             log.warning("sd-accel serve: %s (said once; each answer's info.sd_accel.warnings says it)", warnings[0])
         return warnings
 
+    # ------------------------------------------------------------------ ControlNet
+
+    def control_for(self, units: list) -> tuple:
+        """The batch key part of ``units`` (ControlUnit), after checking that this service has
+        each named ControlNet; the units are kept for the call that runs them."""
+        if not units:
+            return ()
+        for unit in units:
+            if unit.model not in self.controlnets:
+                if not self.controlnets:
+                    raise InvalidValue(f"ControlNet {unit.model!r} was asked for, but this service has no "
+                                       "ControlNets: start it with --controlnet-dir DIR (a folder of ControlNet files)")
+                raise InvalidValue(f"ControlNet {unit.model!r} is not in this service's controlnet_dir; it has: "
+                                   f"{', '.join(sorted(self.controlnets))}")
+        control = tuple(unit.key() for unit in units)
+        with self._lock:
+            self._control_units[control] = list(units)
+            self._control_units.move_to_end(control)
+            while len(self._control_units) > 4 * self.config.max_ongoing_requests:  # hint images: bounded
+                self._control_units.popitem(last=False)
+        return control
+
+    def control_pipe(self, models: tuple[str, ...]):
+        """The ControlNet pipeline over this replica's model for ``models`` (loaded once, accelerated
+        as the replica is: ControlNet and residual UNet engines where they are cached, torch otherwise)."""
+        if models not in self._control_pipes:
+            from sd_accel import accelerate
+            from sd_accel.models.controlnet import with_controlnets
+
+            pipe = with_controlnets(self.pipe, [self.controlnets[m] for m in models],
+                                    allow_pickle=self.config.allow_pickle)
+            pipe = accelerate(pipe, self.config.accel)
+            pipe.set_progress_bar_config(disable=True)
+            pipe.unet.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
+            self._control_pipes[models] = pipe
+            log.info("sd-accel serve: ControlNet pipeline ready for %s", ", ".join(models))
+        return self._control_pipes[models]
+
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``request``: ``GenerationParams`` fields. Returns PNG bytes (with infotexts), seeds, the
-        size and sampler used, and the size of each call the images were made in."""
+        """``request``: ``GenerationParams`` fields, and ``controlnet``: ControlUnit dicts (from
+        ``alwayson_scripts``). Returns PNG bytes (with infotexts), seeds, the size and sampler
+        used, and the size of each call the images were made in."""
+        from sd_accel.serve.controlnet_units import ControlUnit
+
+        request = dict(request)
+        units = [ControlUnit(**u) for u in request.pop("controlnet", None) or []]
         params = GenerationParams(**request)  # the same validation the HTTP route ran
-        job = self.job_for(params)
+        control = self.control_for(units)
+        if units:  # loading a ControlNet takes seconds: not on the event loop
+            await asyncio.to_thread(self.control_pipe, tuple(u.model for u in units))
+        job = self.job_for(params, control)
         warnings = self.prompt_warnings(params)
         with self._lock:
             self.requests += 1
@@ -227,9 +282,13 @@ class ModelServer:
         seconds = time.perf_counter() - start
         key = job.key
         sampler_label = key.sampler or self.model_sampler
+        # As sd-webui-controlnet writes its units into the infotext.
+        control_text = "".join(
+            f", ControlNet {i}: \"Module: {u.module}, Model: {u.model}, Weight: {u.weight:g}, "
+            f"Guidance Start: {u.guidance_start:g}, Guidance End: {u.guidance_end:g}\"" for i, u in enumerate(units))
         infotexts = [
             parameters_text(params.prompt, params.negative_prompt, key.steps, sampler_label, key.cfg, seed,
-                            key.width, key.height, self.model)
+                            key.width, key.height, self.model) + control_text
             for seed in job.seeds
         ]
         pngs = await asyncio.to_thread(
@@ -251,11 +310,18 @@ class ModelServer:
 
     # ------------------------------------------------------------------ the worker
 
+    def _pipe_for(self, key: BatchKey):
+        if not key.control:
+            return self.pipe
+        return self.control_pipe(tuple(unit[0] for unit in key.control))  # the models of the units' keys
+
     def _limit(self, key: BatchKey) -> int:
-        if key not in self._limits:
-            engines = engine_batch_limit(self.pipe, key)
-            self._limits[key] = max(1, min(self.config.max_batch_size, engines or self.config.max_batch_size))
-        return self._limits[key]
+        # The engines' limit depends on the ControlNets, not on their images: one entry per set of models.
+        same = dataclasses.replace(key, control=tuple((unit[0],) for unit in key.control))
+        if same not in self._limits:
+            engines = engine_batch_limit(self._pipe_for(key), key)
+            self._limits[same] = max(1, min(self.config.max_batch_size, engines or self.config.max_batch_size))
+        return self._limits[same]
 
     def _scheduler(self, sampler: str | None):
         if sampler is None or sampler == self.default_sampler:
@@ -267,7 +333,17 @@ class ModelServer:
         return self._schedulers[sampler]
 
     def _run(self, key: BatchKey, items, should_stop) -> list:
-        return run_pipeline(self.pipe, key, items, should_stop, scheduler=self._scheduler(key.sampler))
+        extra = None
+        if key.control:
+            from sd_accel.serve.controlnet_units import pipeline_arguments
+
+            with self._lock:
+                units = self._control_units.get(key.control)
+            if units is None:  # evicted while it waited: only under far more distinct units than requests held
+                raise InvalidValue("this request's ControlNet units were dropped from the replica; send it again")
+            extra = pipeline_arguments(units)
+        return run_pipeline(self._pipe_for(key), key, items, should_stop, scheduler=self._scheduler(key.sampler),
+                            extra=extra)
 
     def _count_unet_batch(self, _module, args, kwargs) -> None:
         sample = args[0] if args else kwargs.get("sample")

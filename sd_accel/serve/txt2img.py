@@ -18,6 +18,7 @@ from typing import Any
 
 from sd_accel.core import InvalidValue
 from sd_accel.generate import MAX_BATCH, GenerationParams
+from sd_accel.serve.controlnet_units import ControlUnit, parse_controlnet_units
 
 # Request field -> GenerationParams field.
 FIELDS = {
@@ -44,7 +45,6 @@ REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "seed_resize_from_h": (None, -1, 0),
     "seed_resize_from_w": (None, -1, 0),
     "styles": (None, []),
-    "alwayson_scripts": (None, {}),
     "script_name": (None, ""),
     "script_args": (None, []),
     "override_settings": (None, {}),
@@ -125,6 +125,31 @@ class Txt2ImgRequest:
     send_images: bool
     body: dict[str, Any]
     ignored: tuple[str, ...] = field(default=())
+    control: tuple[ControlUnit, ...] = field(default=())  # alwayson_scripts.controlnet's enabled units
+
+    def backend_request(self) -> dict[str, Any]:
+        """What the replica is sent: GenerationParams fields, and ``controlnet`` units when there are some."""
+        request = self.params.to_dict()
+        if self.control:
+            request["controlnet"] = [unit.to_dict() for unit in self.control]
+        return request
+
+
+def _always_on(body: dict[str, Any]) -> tuple[ControlUnit, ...]:
+    """The ControlNet units of ``alwayson_scripts``; any other script that has arguments is refused
+    by name (it would change the image in a way sd-accel does not)."""
+    scripts = body.get("alwayson_scripts")
+    if scripts in (None, {}):
+        return ()
+    if not isinstance(scripts, dict):
+        raise InvalidValue(f"txt2img field alwayson_scripts={_short(scripts)} is not valid; allowed: an object "
+                           'of scripts, e.g. {"controlnet": {"args": [unit, ...]}}')
+    for name, script in scripts.items():
+        args = script.get("args") if isinstance(script, dict) else script
+        if name.lower() != "controlnet" and args not in (None, [], {}):
+            raise InvalidValue(f"txt2img field alwayson_scripts.{name} is not supported by sd-accel serve (of the "
+                               "always-on scripts only controlnet is); leave it out")
+    return tuple(parse_controlnet_units({k.lower(): v for k, v in scripts.items()}))
 
 
 def parse_txt2img(body: Any) -> Txt2ImgRequest:
@@ -145,6 +170,7 @@ def parse_txt2img(body: Any) -> Txt2ImgRequest:
                 f"txt2img field {name}={_short(body[name])} is not supported by sd-accel serve; leave it out "
                 "or set it to " + " / ".join(json.dumps(v) for v in harmless)
             )
+    control = _always_on(body)
     kwargs = {dst: body.get(src, DEFAULTS.get(src)) for src, dst in FIELDS.items()
               if src in body or src in DEFAULTS}
     if "sampler_name" not in body and body.get("sampler_index"):
@@ -171,7 +197,7 @@ def parse_txt2img(body: Any) -> Txt2ImgRequest:
         raise InvalidValue(f"txt2img field send_images={send!r} must be true or false")
     params = dataclasses.replace(params, batch=params.batch * n_iter, seed=params.resolved_seed())
     ignored = tuple(sorted(k for k in body if k not in FIELDS and k not in QUIET and k not in REFUSED_UNLESS))
-    return Txt2ImgRequest(params, params.batch // n_iter, n_iter, send, dict(body), ignored)
+    return Txt2ImgRequest(params, params.batch // n_iter, n_iter, send, dict(body), ignored, control)
 
 
 def txt2img_answer(request: Txt2ImgRequest, result: dict[str, Any]) -> dict[str, Any]:
