@@ -139,7 +139,11 @@ def calibration_for(
     height, width, batch = profile.height[1], profile.width[1], profile.batch[1]
     specs = {n: s for n, s in specs_for(pipe).items() if n in ("unet", "vae_decoder", "clip")}
     log.info("capturing calibration data: %d prompts x %d steps at %dx%d", len(prompts), steps, width, height)
-    sets = capture_calibration(pipe, specs, height=height, width=width, batch=batch, prompts=prompts, steps=steps)
+    # A profile without CFG (``cfg=False``: one UNet row per image, the few-step recipes) is
+    # calibrated on calls without it: with guidance the captured UNet feeds had twice its batch.
+    guidance = 7.5 if getattr(profile, "cfg", True) else 1.0
+    sets = capture_calibration(pipe, specs, height=height, width=width, batch=batch, prompts=prompts, steps=steps,
+                               guidance_scale=guidance)
     for name, cset in sets.items():
         s = specs[name]
         path = _cache_file(cache_root, fingerprint(s.torch_module()), name, s.shape_ranges(profile), prompts, steps)

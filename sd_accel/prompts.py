@@ -43,33 +43,56 @@ def _encode(encoder, chunks: list[list[int]], device, layer: int | None):
     return torch.cat(hidden, dim=1), pooled
 
 
-def encode_long_prompt(pipe, prompt: str, negative_prompt: str = "") -> dict[str, torch.Tensor]:
-    """Keyword arguments for ``pipe(...)`` carrying the whole prompt, however long."""
+def uses_negative_prompt(pipe, guidance_scale: float | None = None) -> bool:
+    """Whether a call of ``pipe`` at ``guidance_scale`` reads a negative prompt: not without CFG
+    (``guidance_scale <= 1``), not with a guidance-embedded UNet (LCM: ``time_cond_proj_dim``), and
+    not in a pipeline that takes none (``LatentConsistencyModelPipeline``)."""
+    import inspect
+
+    if "negative_prompt_embeds" not in inspect.signature(pipe.__call__).parameters:
+        return False
+    if getattr(getattr(getattr(pipe, "unet", None), "config", None), "time_cond_proj_dim", None) is not None:
+        return False
+    return guidance_scale is None or guidance_scale > 1
+
+
+def encode_long_prompt(pipe, prompt: str, negative_prompt: str = "",
+                       guidance_scale: float | None = None) -> dict[str, torch.Tensor]:
+    """Keyword arguments for ``pipe(...)`` carrying the whole prompt, however long.
+
+    ``guidance_scale``: the call's. Where the call reads no negative prompt
+    (:func:`uses_negative_prompt`: no CFG, LCM) it is not encoded, and no negative embeddings are
+    returned (an LCM pipeline would refuse them)."""
     device = pipe._execution_device
+    negative = uses_negative_prompt(pipe, guidance_scale)
     if hasattr(pipe, "text_encoder_2"):
-        return _encode_xl(pipe, prompt, negative_prompt, device)
-    pos, neg = _pad_chunks(token_chunks(pipe.tokenizer, prompt), token_chunks(pipe.tokenizer, negative_prompt),
-                           pipe.tokenizer)
+        return _encode_xl(pipe, prompt, negative_prompt, device, negative)
+    pos = token_chunks(pipe.tokenizer, prompt)
+    if not negative:
+        return {"prompt_embeds": _encode(pipe.text_encoder, pos, device, None)[0]}
+    pos, neg = _pad_chunks(pos, token_chunks(pipe.tokenizer, negative_prompt), pipe.tokenizer)
     return {
         "prompt_embeds": _encode(pipe.text_encoder, pos, device, None)[0],
         "negative_prompt_embeds": _encode(pipe.text_encoder, neg, device, None)[0],
     }
 
 
-def _encode_xl(pipe, prompt: str, negative: str, device) -> dict[str, torch.Tensor]:
+def _encode_xl(pipe, prompt: str, negative: str, device, with_negative: bool = True) -> dict[str, torch.Tensor]:
     out = {}
-    pos1, neg1 = token_chunks(pipe.tokenizer, prompt), token_chunks(pipe.tokenizer, negative)
-    pos2, neg2 = token_chunks(pipe.tokenizer_2, prompt), token_chunks(pipe.tokenizer_2, negative)
+    pos1, pos2 = token_chunks(pipe.tokenizer, prompt), token_chunks(pipe.tokenizer_2, prompt)
+    neg1, neg2 = (token_chunks(pipe.tokenizer, negative), token_chunks(pipe.tokenizer_2, negative)) \
+        if with_negative else ([], [])
     n = max(len(pos1), len(neg1), len(pos2), len(neg2))
     empty1, empty2 = token_chunks(pipe.tokenizer, "")[0], token_chunks(pipe.tokenizer_2, "")[0]
-    for name, c1, c2 in (("prompt", pos1, pos2), ("negative_prompt", neg1, neg2)):
+    wanted = (("prompt", pos1, pos2), ("negative_prompt", neg1, neg2))[: 2 if with_negative else 1]
+    for name, c1, c2 in wanted:
         c1 = c1 + [empty1] * (n - len(c1))
         c2 = c2 + [empty2] * (n - len(c2))
         h1, _ = _encode(pipe.text_encoder, c1, device, -2)
         h2, pooled = _encode(pipe.text_encoder_2, c2, device, -2)
         out[f"{name}_embeds"] = torch.cat([h1, h2], dim=-1)
         out[f"pooled_{name}_embeds"] = pooled
-    if not negative and pipe.config.get("force_zeros_for_empty_prompt", False):
+    if with_negative and not negative and pipe.config.get("force_zeros_for_empty_prompt", False):
         out["negative_prompt_embeds"] = torch.zeros_like(out["negative_prompt_embeds"])
         out["pooled_negative_prompt_embeds"] = torch.zeros_like(out["pooled_negative_prompt_embeds"])
     return out

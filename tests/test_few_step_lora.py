@@ -71,3 +71,35 @@ def test_lcm_lora_on_engines_by_refit_and_a_strength_change_is_a_refit(lcm_lora,
     np.testing.assert_allclose(_generate(pipe), want[0.5], atol=1e-3)
     s = stats(pipe)["unet"]
     assert s["engine_calls"] == 8 and s["torch_calls"] == 0  # CFG 1: one row per step, on the static engine
+
+
+@pytest.mark.slow
+def test_int8_engines_need_a_rebuild_and_the_rebuild_with_the_lora_fused_serves_it(lcm_lora, want, tmp_path):
+    """A few-step LoRA on int8 engines: the refit is refused with the way out (quantized weights
+    with calibrated scales), and that way works: the LoRA fused, int8 built again, run on it."""
+    from sd_accel.core import InvalidValue
+
+    config = AccelConfig(precision="fp32", sampler="LCM", engines=True, backend="onnxruntime",
+                         engine_dir=str(tmp_path))
+    plain = load_pipeline("builtin:tiny-sd15")
+    without = _generate(accelerate(load_pipeline("builtin:tiny-sd15"), AccelConfig(precision="fp32", sampler="LCM")))
+    build_engines(plain, profiles=[CFG_OFF], components=["unet"], backend="onnxruntime", precision="int8",
+                  engine_dir=tmp_path, progress=False)
+    accelerate(plain, config)
+    plain.load_lora_weights(lcm_lora, adapter_name="lcm")
+    with pytest.raises(InvalidValue, match="int8 engines cannot be refitted.*build_engines"):
+        refit_engines(plain, progress=False)
+
+    fused = load_pipeline("builtin:tiny-sd15")
+    fused.load_lora_weights(lcm_lora, adapter_name="lcm")
+    fused.fuse_lora()
+    fused.unload_lora_weights()  # the weights keep the LoRA; no adapter layers are left to trace
+    (record,) = build_engines(fused, profiles=[CFG_OFF], components=["unet"], backend="onnxruntime",
+                              precision="int8", engine_dir=tmp_path, progress=False)
+    assert record.key.precision == "int8" and record.validation["ok"]
+    accelerate(fused, config)
+    got = _generate(fused)
+    s = stats(fused)["unet"]
+    assert s["engine_calls"] == 4 and s["torch_calls"] == 0  # the new engine, not the stale one
+    # int8's error is small against what the LoRA changes: the image is the LoRA's
+    assert np.abs(got - want[1.0]).mean() < 0.25 * np.abs(without - want[1.0]).mean()

@@ -184,3 +184,59 @@ def test_turbo_style_cfg_0_runs_one_row_per_image_on_an_auto_built_static_engine
     s = stats(pipe)["unet"]
     assert s["engine_calls"] == 1 and s["torch_calls"] == 0
     assert ".static.b1." in s["builds"][0] and ".nocfg." in s["builds"][0]
+
+
+def test_long_prompts_leave_the_negative_out_where_the_call_reads_none(lcm_sd15):
+    """Without CFG and for LCM the negative prompt costs no text-encoder call, and an LCM pipeline
+    (which takes no negative embeddings) runs on what ``encode_long_prompt`` gives."""
+    from sd_accel.prompts import encode_long_prompt, uses_negative_prompt
+
+    long_prompt = " ".join(["a red cube on a wooden table"] * 20)  # > 75 tokens: two chunks
+    plain = load_pipeline("builtin:tiny-sd15")
+    calls = []
+    hook = plain.text_encoder.register_forward_hook(lambda *_: calls.append(1))
+    both = encode_long_prompt(plain, long_prompt, "blurry")
+    assert set(both) == {"prompt_embeds", "negative_prompt_embeds"} and len(calls) == 4  # 2 chunks each
+    calls.clear()
+    alone = encode_long_prompt(plain, long_prompt, "blurry", guidance_scale=1.0)
+    assert set(alone) == {"prompt_embeds"} and len(calls) == 2
+    torch.testing.assert_close(alone["prompt_embeds"], both["prompt_embeds"])
+    hook.remove()
+    assert uses_negative_prompt(plain, 7.5) and not uses_negative_prompt(plain, 1.0)
+    assert not uses_negative_prompt(lcm_sd15, 7.5)  # guidance-embedded UNet, and no negative argument
+    embeds = encode_long_prompt(lcm_sd15, long_prompt, "blurry", guidance_scale=4.0)
+    assert set(embeds) == {"prompt_embeds"} and embeds["prompt_embeds"].shape[1] == 154
+    image = lcm_sd15(**embeds, num_inference_steps=1, height=64, width=64, output_type="np",
+                     generator=torch.Generator("cpu").manual_seed(0)).images
+    assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
+    xl = load_pipeline("builtin:tiny-sdxl")
+    assert set(encode_long_prompt(xl, long_prompt, guidance_scale=1.0)) == {"prompt_embeds", "pooled_prompt_embeds"}
+    assert len(encode_long_prompt(xl, long_prompt)) == 4
+
+
+@pytest.mark.slow
+def test_a_slimmer_one_step_unet_is_a_config_not_a_family(tmp_path):
+    """SDXS-512's UNet (SD 2.1's text encoder, three blocks, no attention at the highest resolution,
+    run at one step without CFG) builds through the same spec, driven by its config: validated, and
+    a one-step image on the engine equals torch's."""
+    import diffusers
+    from diffusers import UNet2DConditionModel
+
+    from sd_accel.models.builtin import build_tiny_pipeline
+
+    base = build_tiny_pipeline("sd2-base")
+    config = {k: v for k, v in base.unet.config.items() if not k.startswith("_")}
+    config.update(block_out_channels=(32, 64, 64), attention_head_dim=(2, 2, 4),
+                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"))
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel.from_config(config).eval()
+    pipe = diffusers.StableDiffusionPipeline(**{**base.components, "unet": unet})
+    accelerate(pipe, precision="fp32", sampler="Euler")
+    ref = _run(pipe, steps=1, guidance_scale=0.0)
+    (record,) = build_engines(pipe, profiles=[Profile(batch=1, height=64, width=64, cfg=False)],
+                              backend="onnxruntime", components=["unet"], engine_dir=tmp_path, progress=False)
+    assert record.validation["ok"] and record.validation["rel_l2"] < 1e-3
+    accelerate(pipe, precision="fp32", sampler="Euler", engines=True, backend="onnxruntime", engine_dir=str(tmp_path))
+    assert np.abs(_run(pipe, steps=1, guidance_scale=0.0) - ref).max() < 1e-3
+    assert stats(pipe)["unet"]["engine_calls"] == 1 and stats(pipe)["unet"]["torch_calls"] == 0
