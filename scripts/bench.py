@@ -106,6 +106,7 @@ class BenchConfig:
     profile: bool = False
     out_dir: str = "."
     optimum_python: str = ""  # the optimum-intel venv's python (empty: <repo>/.venv-optimum)
+    optimum_samples: int | None = None  # hybrid int8's calibration UNet calls (None: bench_optimum's 200)
 
 
 @dataclass
@@ -308,7 +309,8 @@ def _optimum_cmd(cfg: BenchConfig, variant: str, mode: str, work: Path) -> list[
     return [str(optimum_python(cfg)), str(OPTIMUM_SCRIPT), "--phase", mode, "--result", str(work / f"{variant}.{mode}.json"),
             "--mode", OPTIMUM[variant], "--model-dir", model_dir, "--export-dir", str(export_dir),
             "--out-dir", str(work), "--height", str(cfg.height), "--width", str(cfg.width), "--steps", str(cfg.steps),
-            "--repeats", str(cfg.repeats), "--seed", str(cfg.seed), "--prompt", cfg.prompt]
+            "--repeats", str(cfg.repeats), "--seed", str(cfg.seed), "--prompt", cfg.prompt,
+            *(["--num-samples", str(cfg.optimum_samples)] if cfg.optimum_samples and OPTIMUM[variant] != "default" else [])]
 
 
 def _du_gb(*paths: Path) -> float:
@@ -816,6 +818,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "never the optimum-intel rows)")
     p.add_argument("--optimum-python", default=None, help="python of the optimum-intel venv for the optimum-intel-* "
                    "rows (default: $SD_ACCEL_OPTIMUM_PYTHON, else <repo>/.venv-optimum/bin/python)")
+    p.add_argument("--optimum-samples", type=int, default=None, help="optimum-intel hybrid int8: UNet calls it "
+                   "calibrates on (default 200; issue 31 compared at 32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default=PROMPT)
 
@@ -836,7 +840,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str], 
     engine_dir = args.engine_dir or str(bench_dir / ("engines-tiny" if args.tiny else "engines"))
     cfg = BenchConfig(model=model, device=device, height=size, width=size, steps=steps, repeats=repeats,
                       rounds=max(1, args.rounds), seed=args.seed, prompt=args.prompt, engine_dir=engine_dir, profile=args.profile,
-                      out_dir=args.out or str(bench_dir / "results"), optimum_python=args.optimum_python or "")
+                      out_dir=args.out or str(bench_dir / "results"), optimum_python=args.optimum_python or "",
+                      optimum_samples=getattr(args, "optimum_samples", None))
     variants = args.variants.split(",") if args.variants else list(CUDA_VARIANTS if cuda else CPU_VARIANTS)
     unknown = [v for v in variants if v not in ("diffusers", "sd-accel-torch", *ENGINES, *OPTIMUM)]
     if unknown:

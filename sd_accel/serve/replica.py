@@ -249,8 +249,7 @@ class ModelServer:
         """The ControlNet pipeline over this replica's model for ``models`` (loaded once, accelerated
         as the replica is: ControlNet and residual UNet engines where they are cached, torch otherwise)."""
         if models not in self._control_pipes:
-            from sd_accel import accelerate
-            from sd_accel.models.controlnet import with_controlnets
+            from sd_accel import accelerate, with_controlnets
 
             pipe = with_controlnets(self.pipe, [self.controlnets[m] for m in models],
                                     allow_pickle=self.config.allow_pickle)
