@@ -36,9 +36,9 @@ def test_every_row_is_reported(report):
         assert not rows["openvino-fp32"]["skipped"], rows["openvino-fp32"]["skipped"]
     if HAS["openvino"] and HAS["nncf"]:
         assert not rows["openvino-int8"]["skipped"], rows["openvino-int8"]["skipped"]
-        # the int8 row quantizes the UNet and the VAE decoder and keeps CLIP as a float engine
-        assert rows["openvino-int8"]["engine_rel_l2"].keys() >= {"unet.int8", "clip.bf16", "vae_decoder.int8"} or \
-            rows["openvino-int8"]["engine_rel_l2"].keys() >= {"unet.int8", "clip.fp32", "vae_decoder.int8"}
+        # the int8 row quantizes the UNet and keeps CLIP and the VAE decoder as float engines
+        assert rows["openvino-int8"]["engine_rel_l2"].keys() >= {"unet.int8", "clip.bf16", "vae_decoder.bf16"} or \
+            rows["openvino-int8"]["engine_rel_l2"].keys() >= {"unet.int8", "clip.fp32", "vae_decoder.fp32"}
     for r in rows.values():
         assert r["skipped"] or r["unet_ms"] > 0
         assert r["variant"] in md  # skipped rows say why in the table too
@@ -156,9 +156,9 @@ def test_engine_rows_build_the_components_the_pipeline_has():
         ("openvino", "fp32", ["clip", "clip2", "unet", "vae_decoder"])]
     jobs = _engine_jobs("ort-int8", ("clip2", "unet", "vae_decoder"))  # a refiner: no first encoder
     assert jobs[0] == ("onnxruntime", "int8", ["unet"]) and jobs[1][2] == ["clip2", "vae_decoder"]
-    # OpenVINO's int8 row quantizes the VAE decoder too; the text encoder stays float
+    # OpenVINO's int8 row too: its int8 VAE decoder cost the image 4.9 dB (issue 31)
     jobs = _engine_jobs("openvino-int8", sd15)
-    assert jobs[0] == ("openvino", "int8", ["unet", "vae_decoder"]) and jobs[1][2] == ["clip"]
+    assert jobs[0] == ("openvino", "int8", ["unet"]) and jobs[1][2] == ["clip", "vae_decoder"]
     assert jobs[1][1] in ("bf16", "fp32")
 
 
