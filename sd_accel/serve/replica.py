@@ -145,6 +145,7 @@ class ModelServer:
 
         self.controlnets = controlnet_files(self.config.controlnet_dir)  # name -> file; loaded on first use
         self._control_pipes: dict[tuple[str, ...], Any] = {}
+        self._control_lock = threading.Lock()  # two first requests for one set of nets load it once
         self._control_units: collections.OrderedDict[tuple, list] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.unet_batches: collections.Counter[int] = collections.Counter()
@@ -248,17 +249,18 @@ class ModelServer:
     def control_pipe(self, models: tuple[str, ...]):
         """The ControlNet pipeline over this replica's model for ``models`` (loaded once, accelerated
         as the replica is: ControlNet and residual UNet engines where they are cached, torch otherwise)."""
-        if models not in self._control_pipes:
-            from sd_accel import accelerate, with_controlnets
+        with self._control_lock:
+            if models not in self._control_pipes:
+                from sd_accel import accelerate, with_controlnets
 
-            pipe = with_controlnets(self.pipe, [self.controlnets[m] for m in models],
-                                    allow_pickle=self.config.allow_pickle)
-            pipe = accelerate(pipe, self.config.accel)
-            pipe.set_progress_bar_config(disable=True)
-            pipe.unet.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
-            self._control_pipes[models] = pipe
-            log.info("sd-accel serve: ControlNet pipeline ready for %s", ", ".join(models))
-        return self._control_pipes[models]
+                pipe = with_controlnets(self.pipe, [self.controlnets[m] for m in models],
+                                        allow_pickle=self.config.allow_pickle)
+                pipe = accelerate(pipe, self.config.accel)
+                pipe.set_progress_bar_config(disable=True)
+                pipe.unet.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
+                self._control_pipes[models] = pipe
+                log.info("sd-accel serve: ControlNet pipeline ready for %s", ", ".join(models))
+            return self._control_pipes[models]
 
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """``request``: ``GenerationParams`` fields, and ``controlnet``: ControlUnit dicts (from
