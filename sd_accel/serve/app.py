@@ -229,7 +229,9 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
 
     @app.get("/controlnet/module_list")
     async def controlnet_modules():
-        return {"module_list": ["none", "canny"]}
+        from sd_accel.serve.controlnet_units import PREPROCESSORS
+
+        return {"module_list": list(dict.fromkeys(PREPROCESSORS.values()))}
 
     @app.get("/sd-accel/engines")
     async def engines():

@@ -50,6 +50,11 @@ class ControlUnit:
         return (self.model, hashlib.sha256(self.image).hexdigest()[:20], self.module, self.weight,
                 self.guidance_start, self.guidance_end, self.low, self.high)
 
+    @staticmethod
+    def models(keys: tuple) -> tuple[str, ...]:
+        """The ControlNet names of a tuple of :meth:`key` values (what picks the pipeline)."""
+        return tuple(k[0] for k in keys)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for the replica's handle (``ControlUnit(**data)`` reads it back)."""
         return dataclasses.asdict(self)

@@ -314,11 +314,15 @@ class ModelServer:
     def _pipe_for(self, key: BatchKey):
         if not key.control:
             return self.pipe
-        return self.control_pipe(tuple(unit[0] for unit in key.control))  # the models of the units' keys
+        from sd_accel.serve.controlnet_units import ControlUnit
+
+        return self.control_pipe(ControlUnit.models(key.control))
 
     def _limit(self, key: BatchKey) -> int:
         # The engines' limit depends on the ControlNets, not on their images: one entry per set of models.
-        same = dataclasses.replace(key, control=tuple((unit[0],) for unit in key.control))
+        from sd_accel.serve.controlnet_units import ControlUnit
+
+        same = dataclasses.replace(key, control=ControlUnit.models(key.control))
         if same not in self._limits:
             engines = engine_batch_limit(self._pipe_for(key), key)
             self._limits[same] = max(1, min(self.config.max_batch_size, engines or self.config.max_batch_size))
