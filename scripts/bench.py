@@ -88,6 +88,42 @@ TE_PREFIX = "text_model."
 ARCHS = ("sd15", "sdxl")
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How one image is made: the default model's architecture (shipped configs, random weights,
+    ``overrides`` per config file), steps, guidance, size, and whether the tiny autoencoder decodes.
+    ``None`` fields defer to the command line's defaults (the 20-step recipe)."""
+
+    name: str
+    arch: str | None = None
+    steps: int | None = None
+    guidance_scale: float = 7.5
+    size: int | None = None
+    tiny_vae: bool = False
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    about: str = ""
+
+
+_LCM_SCHEDULER = {"_class_name": "LCMScheduler", "timestep_spacing": "leading", "original_inference_steps": 50}
+RECIPES = {
+    "default": Recipe("default", about="the model's own scheduler (PNDM), 20 steps, CFG 7.5, the full VAE"),
+    # what FastSD CPU runs by default: an LCM-distilled SD 1.5 (LCM Dreamshaper v7: its UNet embeds
+    # the guidance scale, time_cond_proj_dim 256, and runs one row per image), 4 steps, TAESD
+    "lcm": Recipe("lcm", arch="sd15", steps=4, guidance_scale=8.0, size=512, tiny_vae=True, overrides={
+        "unet/config.json": {"time_cond_proj_dim": 256},
+        "scheduler/scheduler_config.json": _LCM_SCHEDULER,
+        "model_index.json": {"_class_name": "LatentConsistencyModelPipeline", "scheduler": ["diffusers", "LCMScheduler"]},
+    }, about="LCM-distilled SD 1.5 UNet (time_cond_proj_dim 256), LCM scheduler, 4 steps, guidance 8 "
+             "embedded (no CFG), TAESD"),
+    # SD-Turbo: the SD 2.1-base architecture, one step, CFG 0, Euler with trailing spacing, TAESD
+    "turbo": Recipe("turbo", arch="sd2-base", steps=1, guidance_scale=0.0, size=512, tiny_vae=True, overrides={
+        "scheduler/scheduler_config.json": {"_class_name": "EulerDiscreteScheduler", "timestep_spacing": "trailing"},
+        "model_index.json": {"scheduler": ["diffusers", "EulerDiscreteScheduler"]},
+    }, about="SD-Turbo's shape (SD 2.1-base UNet and OpenCLIP-H text encoder), Euler trailing, 1 step, "
+             "CFG 0, TAESD"),
+}
+
+
 @dataclass
 class BenchConfig:
     """What one bench run measures; every row uses the same model, seed, prompt and shapes."""
@@ -106,6 +142,15 @@ class BenchConfig:
     out_dir: str = "."
     optimum_python: str = ""  # the optimum-intel venv's python (empty: <repo>/.venv-optimum)
     optimum_samples: int | None = None  # hybrid int8's calibration UNet calls (None: bench_optimum's 200)
+    recipe: str = "default"  # a key of RECIPES
+    guidance_scale: float = 7.5
+    tiny_vae: str = ""  # a TAESD folder that decodes instead of the model's VAE (every row)
+
+    @property
+    def cfg_rows(self) -> bool:
+        """Whether the UNet runs two rows per image (CFG): not for guidance <= 1 nor a
+        guidance-embedded (LCM-distilled) UNet."""
+        return self.guidance_scale > 1 and self.recipe != "lcm"
 
 
 @dataclass
@@ -134,6 +179,7 @@ class RowResult:
     e2e_speedup: float | None = None
     engine_rel_l2: dict[str, float] = field(default_factory=dict)
     notes: str = ""
+    details: dict[str, Any] = field(default_factory=dict)  # how the row ran: UNet rows per call, precisions, calls
 
 
 # ---- measuring one generation ---------------------------------------------------------------
@@ -159,6 +205,10 @@ class _Timer:
         return time.perf_counter()
 
     def __enter__(self) -> _Timer:
+        self.unet_rows: set[int] = set()
+        self._handles.append(self._pipe.unet.register_forward_pre_hook(
+            lambda _m, args, kwargs: self.unet_rows.add(int((args[0] if args else kwargs["sample"]).shape[0])),
+            with_kwargs=True))
         for name, module in _timed_modules(self._pipe):
             self._handles.append(module.register_forward_pre_hook(lambda *_a, _n=name: self._start(_n)))
             self._handles.append(module.register_forward_hook(lambda *_a, _n=name: self._stop(_n)))
@@ -208,7 +258,7 @@ def _generate(pipe, cfg: BenchConfig, steps: int):
 
     g = torch.Generator("cpu").manual_seed(cfg.seed)
     return pipe(cfg.prompt, height=cfg.height, width=cfg.width, num_inference_steps=steps, generator=g,
-                output_type="np").images[0]
+                guidance_scale=cfg.guidance_scale, output_type="np").images[0]
 
 
 def _peak_ram_gb() -> float:
@@ -304,11 +354,14 @@ def _optimum_model_dir(cfg: BenchConfig) -> str:
 
 def _optimum_cmd(cfg: BenchConfig, variant: str, mode: str, work: Path) -> list[str]:
     model_dir = _optimum_model_dir(cfg)
-    export_dir = Path(cfg.engine_dir) / variant / Path(model_dir).name  # the export is size-independent
+    # the export is size-independent; a TAESD decoder in it makes it another folder
+    name = Path(model_dir).name + (f"+{Path(cfg.tiny_vae).name}" if cfg.tiny_vae else "")
+    export_dir = Path(cfg.engine_dir) / variant / name
     return [str(optimum_python(cfg)), str(OPTIMUM_SCRIPT), "--phase", mode, "--result", str(work / f"{variant}.{mode}.json"),
             "--mode", OPTIMUM[variant], "--model-dir", model_dir, "--export-dir", str(export_dir),
             "--out-dir", str(work), "--height", str(cfg.height), "--width", str(cfg.width), "--steps", str(cfg.steps),
             "--repeats", str(cfg.repeats), "--seed", str(cfg.seed), "--prompt", cfg.prompt,
+            "--guidance-scale", str(cfg.guidance_scale), *(["--tiny-vae", cfg.tiny_vae] if cfg.tiny_vae else []),
             *(["--num-samples", str(cfg.optimum_samples)] if cfg.optimum_samples and OPTIMUM[variant] != "default" else [])]
 
 
@@ -348,11 +401,20 @@ def row_engine_dir(cfg: BenchConfig, variant: str) -> str:
 
 
 def load_model(cfg: BenchConfig):
+    """The model, with the recipe's tiny autoencoder in place of its VAE (every row decodes with it:
+    plain diffusers too, as a diffusers user sets ``pipe.vae = AutoencoderTiny...``)."""
     from sd_accel import load_pipeline
+    from sd_accel.optimize.vae_choice import use_vae
 
     pipe = load_pipeline(cfg.model)
     pipe.set_progress_bar_config(disable=True)
+    if cfg.tiny_vae:
+        use_vae(pipe, _vae_choice(cfg))
     return pipe
+
+
+def _vae_choice(cfg: BenchConfig) -> str | None:
+    return f"tiny:{cfg.tiny_vae}" if cfg.tiny_vae else None
 
 
 def build_row(cfg: BenchConfig, variant: str) -> dict[str, Any]:
@@ -361,7 +423,7 @@ def build_row(cfg: BenchConfig, variant: str) -> dict[str, Any]:
     from sd_accel.build import engine_components
 
     pipe = load_model(cfg)
-    profile = dict(batch=1, height=cfg.height, width=cfg.width)
+    profile = dict(batch=1, height=cfg.height, width=cfg.width, **({} if cfg.cfg_rows else {"cfg": False}))
     start = time.perf_counter()
     built_s, errors = 0.0, {}
     for backend, precision, components in _engine_jobs(variant, engine_components(pipe)):
@@ -387,13 +449,13 @@ def _accelerated(cfg: BenchConfig, variant: str):
     if variant == "diffusers":
         pipe.to(cfg.device, torch.float16 if cuda else torch.float32)
     elif variant == "sd-accel-torch":
-        accelerate(pipe, AccelConfig(device=cfg.device, **_torch_best(cfg.device)))
+        accelerate(pipe, AccelConfig(device=cfg.device, vae=_vae_choice(cfg), **_torch_best(cfg.device)))
     else:
         backend, precision = ENGINES[variant]
         from sd_accel.backends.registry import entry
 
         torch_precision = "fp16" if entry(backend).torch_device == "cuda" else "fp32"
-        accelerate(pipe, AccelConfig(device=cfg.device, precision=torch_precision, engines=True,
+        accelerate(pipe, AccelConfig(device=cfg.device, precision=torch_precision, engines=True, vae=_vae_choice(cfg),
                                      engine_dir=row_engine_dir(cfg, variant), backend=backend))
     return pipe, time.perf_counter() - start
 
@@ -420,6 +482,9 @@ def run_row(cfg: BenchConfig, variant: str, work: Path) -> dict[str, Any]:
             clips.append(sum(timer.times["clip"]))
             vaes.append(sum(timer.times["vae"]))
         n_unet = len(timer.times["unet"])
+        out.update(unet_rows=sorted(timer.unet_rows), unet_calls_per_image=n_unet,
+                   scheduler=type(pipe.scheduler).__name__,
+                   vae=type(getattr(pipe.vae, "torch_module", pipe.vae)).__name__)  # (engine stand-ins hold it)
         if cfg.profile:
             out["trace"] = _profile(pipe, cfg, variant, timer)
     loop = [t - c - v for t, c, v in zip(totals, clips, vaes, strict=True)]
@@ -497,6 +562,9 @@ def _worker(mode: str, cfg: BenchConfig, variant: str, work: Path, inprocess: bo
 
 _RUN_KEYS = ("clip_ms", "unet_ms", "unet_ms_spread", "vae_ms", "it_s", "s_per_image", "s_per_image_spread",
              "s_per_image_20", "peak_ram_gb", "peak_vram_gb", "load_s")
+
+
+_DETAILS = ("unet_rows", "unet_calls_per_image", "inference_precision", "scheduler", "vae", "engine_stats")
 
 
 def _fill(row: RowResult, ran: dict[str, Any]) -> None:
@@ -578,6 +646,7 @@ def run_bench(cfg: BenchConfig, variants: Sequence[str], inprocess: bool = False
                 continue
             runs[variant] = [ran]
             _fill(row, ran)
+            row.details = {k: ran[k] for k in _DETAILS if ran.get(k) is not None}
             stats = ran.get("engine_stats") or {}
             fallbacks = {k: v["torch_calls"] for k, v in stats.items() if v.get("torch_calls")}
             if fallbacks:
@@ -687,6 +756,9 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"{cfg['steps']} steps, {cfg['repeats']} timed runs per row (medians; min-max spread shown)"
         f"{', the median of ' + str(cfg['rounds']) + ' rounds over all rows' if cfg.get('rounds', 1) > 1 else ''}, seed "
         f"{cfg['seed']}, prompt \"{cfg['prompt']}\". Ratios and accuracy are against the first row.",
+        *([] if cfg.get("recipe", "default") == "default" else [
+            "", f"Recipe `{cfg['recipe']}`: {RECIPES[cfg['recipe']].about}; guidance scale {cfg['guidance_scale']:g}"
+            + (f", every row decodes with the tiny autoencoder `{cfg['tiny_vae']}`" if cfg.get("tiny_vae") else "") + "."]),
         "",
         "| " + " | ".join(rows[0]) + " |",
         "|" + "|".join("---" for _ in rows[0]) + "|",
@@ -699,7 +771,9 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "Versions: " + ", ".join(f"{k} {v}" for k, v in {**m["versions"], "openvino": m["openvino"],
                                                           "nncf": m["nncf"]}.items() if v) + ".",
         "",
-        "Columns: UNet ms/call is the median of every UNet call in the timed runs (batch 2: guidance); "
+        "Columns: UNet ms/call is the median of every UNet call in the timed runs ("
+        + ("batch 2: guidance" if cfg.get("guidance_scale", 7.5) > 1 and cfg.get("recipe") != "lcm"
+           else "batch 1: no CFG rows") + "); "
         "s/image@20 rescales the loop to 20 steps; disk GB is what the row keeps on disk (its engines plus "
         "what is kept of the ONNX export they come from (its graph, by default), shared by the engine rows; optimum-intel's exported IR); build s is the engines' export+build time from the cache "
         "records (0 when they were already cached); load s is the pipeline load plus the engine swap; latent "
@@ -733,26 +807,40 @@ def _json_default(value: Any) -> Any:
 # ---- defaults and the command line ---------------------------------------------------------
 
 
-def default_model(arch: str = "sd15") -> str:
+def default_model(arch: str = "sd15", recipe: str = "default", tiny: bool = False) -> str:
     """The ``arch`` architecture (a family of ``sd_accel.models.families``: ``sd15``, ``sdxl``)
     with random weights from its shipped configs, built once into ``<cache>/bench/<arch>-random-seed0``
-    (fp32 safetensors: the rows load it memory-mapped, as they would a downloaded model)."""
+    (fp32 safetensors: the rows load it memory-mapped, as they would a downloaded model). A
+    recipe with config overrides (``lcm``: the guidance-embedding UNet and its scheduler) gets its
+    own folder, ``<arch>-<recipe>-random-seed0``; ``tiny``: the tiny model of ``arch`` (the
+    ``builtin:tiny-*`` configs) with the recipe's overrides, ``tiny-<arch>-<recipe>-seed0``."""
     from filelock import FileLock
 
     from sd_accel.models.families import get_family
     from sd_accel.paths import cache_dir
 
     family = get_family(arch)  # says which families exist when arch is none of them
-    dest = cache_dir() / "bench" / f"{arch}-random-seed0"
+    overrides = RECIPES[recipe].overrides
+    name = f"{arch}-{recipe}-random-seed0" if overrides else f"{arch}-random-seed0"
+    dest = cache_dir() / "bench" / (f"tiny-{arch}-{recipe}-seed0" if tiny else name)
     with FileLock(str(dest) + ".lock"):
         if not (dest / "model_index.json").exists():
+            from sd_accel.models.builtin import tiny_configs
             from sd_accel.models.components import random_pipeline
-            from sd_accel.models.families import load_family_configs
+            from sd_accel.models.families import load_family_configs, merged
 
-            _save_model(random_pipeline(load_family_configs(family), seed=0), dest)
+            configs = tiny_configs(family.name) if tiny else load_family_configs(family)
+            _save_model(random_pipeline(merged(configs, overrides), seed=0), dest)
         else:
             prefix_text_encoder(dest / "text_encoder")  # folders saved before the prefix was added
     return str(dest)
+
+
+def default_tiny_vae() -> str:
+    """TAESD's architecture (``AutoencoderTiny``) with seeded random weights: ``builtin:taesd``'s folder."""
+    from sd_accel.models.builtin import builtin_tiny_vae_path
+
+    return str(builtin_tiny_vae_path("taesd"))
 
 
 def _save_model(pipe, dest: Path) -> None:
@@ -798,6 +886,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: the SD 1.5 architecture with random weights, built once and cached)")
     p.add_argument("--arch", choices=ARCHS, default="sd15", help="architecture of the default model (random weights "
                    "from its real configs): sd15 (default) or sdxl (1024 px by default); with --tiny, builtin:tiny-<arch>")
+    p.add_argument("--recipe", choices=tuple(RECIPES), default="default", help="how the image is made: "
+                   + "; ".join(f"{r.name}: {r.about}" for r in RECIPES.values())
+                   + " (lcm and turbo default to 512 px; their model is that architecture with random weights)")
+    p.add_argument("--tiny-vae", default=None, help="a TAESD folder or taesd_decoder.safetensors that decodes in "
+                   "every row (default with --recipe lcm/turbo: TAESD's architecture with random weights)")
+    p.add_argument("--guidance-scale", type=float, default=None, help="default: the recipe's (7.5; lcm 8, embedded; turbo 0)")
     p.add_argument("--tiny", action="store_true", help="builtin:tiny-sd15 at 64 px, 3 steps: a smoke run in seconds")
     p.add_argument("--quick", action="store_true", help="1 timed run of 5 steps per row")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default 20)")
@@ -830,17 +924,28 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str], 
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
-    arch = getattr(args, "arch", "sd15")
-    model = args.model or (f"builtin:tiny-{arch}" if args.tiny else default_model(arch))
-    size = args.size or (64 if args.tiny else 1024 if arch == "sdxl" else 512 if cuda else 256)
-    steps = args.steps or (3 if args.tiny else 5 if args.quick else 20)
+    recipe = RECIPES[getattr(args, "recipe", "default")]
+    arch = recipe.arch or getattr(args, "arch", "sd15")
+    if recipe.arch and getattr(args, "arch", "sd15") not in ("sd15", recipe.arch):
+        raise SystemExit(f"--recipe {recipe.name} is the {recipe.arch} architecture; leave out --arch")
+    if args.model:
+        model = args.model
+    elif args.tiny:
+        model = f"builtin:tiny-{arch}" if recipe.name == "default" else default_model(arch, recipe.name, tiny=True)
+    else:
+        model = default_model(arch) if recipe.name == "default" else default_model(arch, recipe.name)
+    size = args.size or (64 if args.tiny else recipe.size or (1024 if arch == "sdxl" else 512 if cuda else 256))
+    steps = args.steps or (min(3, recipe.steps or 3) if args.tiny else 5 if args.quick else recipe.steps or 20)
+    tiny_vae = getattr(args, "tiny_vae", None) or (default_tiny_vae() if recipe.tiny_vae else "")
+    guidance = getattr(args, "guidance_scale", None)
     repeats = args.repeats or (1 if args.tiny or args.quick else 3)
     bench_dir = cache_dir() / "bench"
     engine_dir = args.engine_dir or str(bench_dir / ("engines-tiny" if args.tiny else "engines"))
     cfg = BenchConfig(model=model, device=device, height=size, width=size, steps=steps, repeats=repeats,
                       rounds=max(1, args.rounds), seed=args.seed, prompt=args.prompt, engine_dir=engine_dir, profile=args.profile,
                       out_dir=args.out or str(bench_dir / "results"), optimum_python=args.optimum_python or "",
-                      optimum_samples=getattr(args, "optimum_samples", None))
+                      optimum_samples=getattr(args, "optimum_samples", None), recipe=recipe.name,
+                      guidance_scale=recipe.guidance_scale if guidance is None else guidance, tiny_vae=tiny_vae)
     variants = args.variants.split(",") if args.variants else list(CUDA_VARIANTS if cuda else CPU_VARIANTS)
     unknown = [v for v in variants if v not in ("diffusers", "sd-accel-torch", *ENGINES, *OPTIMUM)]
     if unknown:
@@ -886,8 +991,17 @@ def _worker_main(argv: list[str]) -> int:
     return 0
 
 
+def markdown_name(argv: Sequence[str]) -> str:
+    """The Markdown report a full run regenerates: ``BENCHMARKS.md``, ``BENCHMARKS-<recipe>.md``
+    for another recipe."""
+    recipe = next((a.split("=", 1)[1] for a in argv if a.startswith("--recipe=")), None)
+    if "--recipe" in argv[:-1]:
+        recipe = argv[list(argv).index("--recipe") + 1]
+    return "BENCHMARKS.md" if recipe in (None, "default") else f"BENCHMARKS-{recipe}.md"
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if not {"--markdown", "--worker", "--tiny", "--quick"} & set(argv):
-        argv += ["--markdown", str(SCRIPT.parent / "BENCHMARKS.md")]
+        argv += ["--markdown", str(SCRIPT.parent / markdown_name(argv))]
     raise SystemExit(main(argv))

@@ -75,6 +75,8 @@ CALIBRATION_PROMPTS = (
     "abstract geometric shapes, bauhaus poster",
 )
 VARIANTS = {"default": "optimum-intel-default", "hybrid-int8": "optimum-intel-hybrid-int8"}
+# model_index.json's pipeline -> optimum-intel's class for it (anything else: OVStableDiffusionPipeline)
+OV_PIPELINES = {"LatentConsistencyModelPipeline": "OVLatentConsistencyModelPipeline"}
 TE_PREFIX = "text_model."
 
 
@@ -211,14 +213,67 @@ def te_check(source: Path, ov_pipe, prompt: str, out_dir: Path) -> dict[str, Any
 # ---- build ----------------------------------------------------------------------------------
 
 
+def pipeline_class(model_dir: Path):
+    """optimum-intel's pipeline class for the folder's diffusers pipeline."""
+    import optimum.intel
+
+    return getattr(optimum.intel, OV_PIPELINES.get(_diffusers_class(model_dir), "OVStableDiffusionPipeline"))
+
+
+def _diffusers_class(folder: Path) -> str:
+    """The diffusers pipeline a model folder or an optimum-intel export (which names its OV class) holds."""
+    name = json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name", "")
+    return name[2:] if name.startswith("OV") else name
+
+
+def _is_lcm(folder: Path) -> bool:
+    return _diffusers_class(folder) in OV_PIPELINES
+
+
+def put_tiny_decoder(tiny_vae: Path, folder: Path) -> dict[str, Any]:
+    """Replace the exported ``vae_decoder`` IR in ``folder`` with TAESD's decoder, as FastSD CPU
+    runs it (it swaps a TAESD OpenVINO IR in for the pipeline's ``vae_decoder``): converted by
+    ``openvino.convert_model`` from diffusers' ``AutoencoderTiny``, dynamic batch and size, input
+    ``latent_sample``, output ``sample`` in [-1, 1] like the VAE's. Its config is the exported one
+    with ``scaling_factor`` 1.0: TAESD takes the UNet's latents as they are."""
+    import openvino as ov
+    import torch
+    from diffusers import AutoencoderTiny
+
+    tae = AutoencoderTiny.from_pretrained(str(tiny_vae)).eval()
+
+    class Decoder(torch.nn.Module):
+        def __init__(self, tae):
+            super().__init__()
+            self.tae = tae
+
+        def forward(self, latent_sample):
+            return self.tae.decode(latent_sample, return_dict=False)[0]
+
+    with torch.no_grad():
+        model = ov.convert_model(Decoder(tae), example_input=torch.zeros(1, 4, 64, 64))
+    model.inputs[0].get_tensor().set_names({"latent_sample"})
+    model.outputs[0].get_tensor().set_names({"sample"})
+    model.reshape({model.inputs[0]: ov.PartialShape([-1, 4, -1, -1])})
+    dec = folder / "vae_decoder"
+    config = json.loads((dec / "config.json").read_text())
+    for f in dec.iterdir():
+        f.unlink()
+    ov.save_model(model, str(dec / "openvino_model.xml"), compress_to_fp16=False)  # the export's fp32 IR
+    (dec / "config.json").write_text(json.dumps({**config, "scaling_factor": 1.0, "shift_factor": None,
+                                                 "tiny_vae_source": str(tiny_vae)}, indent=2))
+    return {"tiny_vae": str(tiny_vae), "tiny_decoder_params": sum(p.numel() for p in tae.decoder.parameters())}
+
+
 def build(args: argparse.Namespace) -> dict[str, Any]:
-    from optimum.intel import OVStableDiffusionPipeline, OVWeightQuantizationConfig
+    from optimum.intel import OVWeightQuantizationConfig
 
     export_dir = Path(args.export_dir)
     model_dir = str(Path(args.model_dir).resolve())
+    tiny = str(Path(args.tiny_vae).resolve()) if args.tiny_vae else None
     if not args.rebuild and (export_dir / "build.json").exists():
         done = json.loads((export_dir / "build.json").read_text())
-        if done.get("model_dir") == model_dir and done.get("mode") == args.mode:
+        if done.get("model_dir") == model_dir and done.get("mode") == args.mode and done.get("tiny_vae") == tiny:
             return {**done, **_disk(export_dir), "build_cached": True}
     start = time.perf_counter()
     prep = prepare_source(Path(model_dir), export_dir.with_name(export_dir.name + ".src"))
@@ -229,12 +284,13 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         qc = OVWeightQuantizationConfig(bits=8, quant_method="hybrid", dataset=prompts,
                                         num_samples=args.num_samples)
     t0 = time.perf_counter()
-    pipe = OVStableDiffusionPipeline.from_pretrained(prep["source"], export=True, compile=False,
-                                                     quantization_config=qc, local_files_only=True)
+    pipe = pipeline_class(Path(model_dir)).from_pretrained(prep["source"], export=True, compile=False,
+                                                           quantization_config=qc, local_files_only=True)
     export_s = time.perf_counter() - t0
     tmp = export_dir.with_name(export_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
+    tiny_info = put_tiny_decoder(Path(tiny), tmp) if tiny else {"tiny_vae": None}
     build_s = time.perf_counter() - t0
     check = te_check(Path(prep["source"]), pipe, args.prompt, tmp)  # compiles the TE only (dynamic)
     # the trap prepare_source avoids: a text encoder left at random init would differ by ~140%
@@ -247,7 +303,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
                {"prompts": len(CALIBRATION_PROMPTS), "num_samples": args.num_samples or 200,
                 "note": "optimum-intel calibrates at min(unet.sample_size*8, 512) px, 50 steps"}
                if qc else None),
-           **prep, **check, "engine_rel_l2": {"clip.te_ov_vs_torch": check["te_ov_vs_torch_rel_l2"]},
+           **prep, **check, **tiny_info, "engine_rel_l2": {"clip.te_ov_vs_torch": check["te_ov_vs_torch_rel_l2"]},
            "versions": versions()}
     (export_dir / "build.json").write_text(json.dumps(out, indent=2))
     return {**out, **_disk(export_dir), "build_cached": False}
@@ -294,7 +350,6 @@ class Timer:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from optimum.intel import OVStableDiffusionPipeline
 
     variant = VARIANTS[args.mode]
     out_dir = Path(args.out_dir)
@@ -302,9 +357,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     # optimum-intel's own ov_config unless --inference-precision says otherwise (a check, not a row)
     ov_config = {"INFERENCE_PRECISION_HINT": args.inference_precision} if args.inference_precision else None
-    pipe = OVStableDiffusionPipeline.from_pretrained(args.export_dir, compile=False, local_files_only=True,
-                                                     ov_config=ov_config)
+    lcm = _is_lcm(Path(args.export_dir))
+    pipe = pipeline_class(Path(args.export_dir)).from_pretrained(args.export_dir, compile=False, local_files_only=True,
+                                                                 ov_config=ov_config)
     pipe.reshape(batch_size=1, height=args.height, width=args.width, num_images_per_prompt=1)
+    if args.guidance_scale <= 1 and not lcm:
+        unet_rows(pipe, 1)
     pipe.compile()
     load_s = time.perf_counter() - start
     load_peak = _peak_ram_gb()
@@ -318,7 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def generate(steps: int):
         g = torch.Generator("cpu").manual_seed(args.seed)
         return pipe(args.prompt, height=args.height, width=args.width, num_inference_steps=steps,
-                    guidance_scale=7.5, generator=g, output_type="np").images[0]
+                    guidance_scale=args.guidance_scale, generator=g, output_type="np").images[0]
 
     generate(2)  # warm-up, as the harness does
     totals, unet_calls, clips, vaes = [], [], [], []
@@ -345,9 +403,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "s_per_image_20": fixed + per_call * n_unet * 20 / args.steps,
         "peak_ram_gb": _peak_ram_gb(), "load_peak_ram_gb": load_peak,
         "gen_peak_ram_gb": _hwm_gb() if hwm_reset else None, "load_s": load_s,
-        "unet_calls_per_image": n_unet, "scheduler": scheduler, "inference_precision": precision,
+        "unet_calls_per_image": n_unet, "unet_rows": _unet_rows_now(pipe), "scheduler": scheduler, "inference_precision": precision,
         "load_average": os.getloadavg(),  # other processes' load skews the times: say how busy it was
     }
+
+
+def unet_rows(pipe, rows: int) -> None:
+    """Make the reshaped UNet static at ``rows`` rows. optimum-intel's ``reshape`` gives a UNet
+    without ``timestep_cond`` two rows per image (it assumes CFG); at CFG <= 1 (SD-Turbo) diffusers
+    calls it with one, which a static two-row model refuses. FastSD CPU reshapes to a dynamic batch
+    instead; a static one row is the faster of the two on OpenVINO's CPU plugin."""
+    model = pipe.unet.model
+    shapes = {}
+    for inp in model.inputs:
+        shape = inp.get_partial_shape()
+        if inp.get_any_name() != "timestep" and shape.rank.get_length() > 1:
+            shape[0] = rows
+        shapes[inp] = shape
+    model.reshape(shapes)
+
+
+def _unet_rows_now(pipe) -> str:
+    return str(next(i.get_partial_shape() for i in pipe.unet.model.inputs if i.get_any_name() == "sample"))
 
 
 # ---- the parent: both phases in subprocesses, one JSON row ------------------------------------
@@ -381,7 +458,8 @@ def row(args: argparse.Namespace) -> dict[str, Any]:
         "engine_rel_l2": {"clip.te_ov_vs_torch": built["te_ov_vs_torch_rel_l2"]},
         "notes": f"inference precision forced to {args.inference_precision}" if args.inference_precision else "",
         # extras
-        "mode": args.mode, "height": args.height, "width": args.width, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
+        "mode": args.mode, "guidance_scale": args.guidance_scale, "tiny_vae": built.get("tiny_vae"),
+        "unet_rows": ran.get("unet_rows"), "height": args.height, "width": args.width, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
         "build_cached": cached, "disk_gb": built["disk_gb"], "disk_gb_by_part": built["disk_gb_by_part"],
         "gen_peak_ram_gb": ran.get("gen_peak_ram_gb"), "load_peak_ram_gb": ran.get("load_peak_ram_gb"),
         "inference_precision": ran.get("inference_precision"), "scheduler": ran.get("scheduler"),
@@ -441,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export-dir", default=None, help="the exported IR folder (default: <out-dir>/export-<mode>)")
     p.add_argument("--ref-dir", default=None, help="folder with the harness's diffusers.latent.npy / .image.npy "
                    "(and diffusers.run.json): fills in latent_rel_l2, psnr_db and the speed-ups")
+    p.add_argument("--guidance-scale", type=float, default=7.5, help="7.5 (the harness's default recipe); "
+                   "an LCM pipeline embeds it (no CFG rows); <= 1 runs one UNet row per image")
+    p.add_argument("--tiny-vae", default=None, help="a diffusers AutoencoderTiny folder (TAESD): its decoder, "
+                   "converted to OpenVINO IR, replaces the export's vae_decoder (what FastSD CPU does)")
     p.add_argument("--num-samples", type=int, default=None, help="hybrid-int8: UNet calls to calibrate on "
                    "(default: optimum-intel's, 200)")
     p.add_argument("--inference-precision", default=None, choices=("f32", "bf16"),

@@ -1,6 +1,11 @@
 """The main job (``scripts/run.sh``): one model, one image twice, plain PyTorch then on engines,
 and what the engines bought: both times, the speed-up, which components ran on engines.
 
+``--few-step`` shows the few-step recipe instead (what FastSD CPU users run): an LCM-distilled
+model (default ``builtin:tiny-sd15-lcm``), the LCM sampler, 4 steps, CFG 1 (one UNet row per image)
+and the tiny autoencoder (default ``builtin:taesd``) decoding, at 512x512 for the built-in model;
+the engines are the no-CFG UNet and TAESD's decoder. Arguments given override those.
+
 Each generation is its own ``sd-accel generate`` process (the path a user takes, a fair clock).
 Engines for the run's model and size are built on the first run and reused from the cache after.
 Arguments are ``sd-accel generate``'s and go to both runs (and the model, size and batch to the
@@ -22,6 +27,23 @@ AUTO_ENGINES = False
 
 BUILTIN_SIZE = "256x256"  # the built-in tiny model: see README ("Quick start") for the figures
 COMPONENTS = "clip,unet,vae_decoder"  # what txt2img runs (the VAE encoder only serves img2img)
+# --few-step: the recipe's `sd-accel generate` options, each unless the command line gives it
+FEW_STEP = {"--model": "builtin:tiny-sd15-lcm", "--sampler": "LCM", "--steps": "4", "--cfg": "1",
+            "--tiny-vae": "builtin:taesd"}
+FEW_STEP_SIZE = "512x512"  # what people run few-step SD 1.5 at; the tiny model is cheap there too
+
+
+def few_step_args(argv: list[str]) -> list[str]:
+    """``argv`` with the few-step recipe's options added where it does not give them.
+
+    >>> few_step_args(["--steps", "2"])[:4]
+    ['--model', 'builtin:tiny-sd15-lcm', '--sampler', 'LCM']
+    """
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    out = [x for flag, value in FEW_STEP.items() if flag not in given for x in (flag, value)]
+    if "--size" not in given and "--model" not in given:
+        out += ["--size", FEW_STEP_SIZE]
+    return out + argv
 
 
 def _sd_accel(*args: str, capture: bool = True) -> subprocess.CompletedProcess:
@@ -57,6 +79,10 @@ def _build_args(args, engine_args: list[str]) -> list[str]:
     """``sd-accel build`` for the run: a static profile of its size and batch (the model's own
     preset when no size is given), the components txt2img runs."""
     out = ["build", "--model", args.model, "--components", COMPONENTS, "--backend", args.backend, *engine_args]
+    if args.cfg <= 1:  # CFG 1 (the few-step recipe): one UNet row per image, so a static engine of that
+        out.append("--no-cfg")
+    if args.tiny_vae:  # the decoder engine is the tiny autoencoder's
+        out += ["--tiny-vae", args.tiny_vae]
     if args.size:
         width, height = args.size
         out += ["--static", "--height", str(height), "--width", str(width), "--batch", str(args.batch)]
@@ -70,6 +96,9 @@ def main(argv: list[str]) -> int:
     from sd_accel.cli import DEFAULT_MODEL, build_parser
 
     parser = build_parser()
+    few_step = "--few-step" in argv
+    if few_step:
+        argv = few_step_args([a for a in argv if a != "--few-step"])
     probe = parser.parse_args(["generate", *argv])  # argparse errors (exit 2) before any work
     if probe.engines:
         parser.error("scripts/run.sh runs both PyTorch and engines; leave out --engines")
@@ -80,7 +109,9 @@ def main(argv: list[str]) -> int:
     engine_args = ["--engine-dir", args.engine_dir] if args.engine_dir else []
     common = ["generate", *defaults, *argv, "--json"]
     size = "x".join(map(str, args.size)) if args.size else "the model's default size"
-    print(f"main job: {args.model}, {size}, {args.steps} steps, batch {args.batch}", flush=True)
+    recipe = (f", few-step recipe: {args.sampler} sampler, CFG {args.cfg:g}, tiny VAE {args.tiny_vae}"
+              if few_step else "")
+    print(f"main job: {args.model}, {size}, {args.steps} steps, batch {args.batch}{recipe}", flush=True)
 
     print("[1/3] plain PyTorch", flush=True)
     plain = _report(_sd_accel(*common, "--out", str(torch_out)))

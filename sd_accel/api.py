@@ -5,7 +5,7 @@ What the faces (CLI, panel and app, serve, bench, the WebUI adapter) may use, ch
 
 - the package root (``sd_accel``: this module, ``build_engines``, ``EngineCache``, ``stats``,
   ``refit_engines``) and the modules a request is written in: ``config``, ``core``,
-  ``profiles``, ``generate``, ``samplers``, ``units``, the backend table
+  ``profiles``, ``generate``, ``preview`` (live previews), ``samplers``, ``units``, the backend table
   (``backends.registry``), the builder (``build``) and the cache's folder names
   (``cache.intermediates``);
 - the WebUI adapter besides: it builds from the WebUI's own LDM modules, not a diffusers
@@ -29,15 +29,17 @@ from sd_accel.models.controlnet import controlnet_pipeline, load_controlnet, wit
 from sd_accel.models.hints import canny as control_canny
 from sd_accel.models.hints import preprocess as control_hint
 from sd_accel.models.load import ModelInfo, load_pipeline
+from sd_accel.models.taesd import load_tiny_vae
 from sd_accel.optimize.attention import apply_attention, resolve_attention
 from sd_accel.optimize.offload import apply_offload, apply_vae_memory
 from sd_accel.optimize.precision import install_vae_guard, resolve_precision, vae_dtype_for
+from sd_accel.optimize.vae_choice import use_vae
 from sd_accel.refit import refit_engines
 
 log = logging.getLogger("sd_accel")
 
 __all__ = ["AccelState", "accelerate", "control_canny", "control_hint", "controlnet_pipeline", "describe_machine", "load_controlnet",
-           "load_pipeline", "ModelInfo", "refit_engines", "resolve_device", "with_controlnets"]
+           "load_pipeline", "load_tiny_vae", "ModelInfo", "refit_engines", "resolve_device", "use_vae", "with_controlnets"]
 
 
 @dataclass

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--precision", choices=PRECISION, default="auto")
     gen.add_argument("--offload", choices=OFFLOAD, default="none")
     gen.add_argument("--tiny-vae", default=None, metavar="PATH",
-                     help="decode with the tiny autoencoder (TAESD): a diffusers folder or taesd_decoder.safetensors")
+                     help="decode with the tiny autoencoder (TAESD): a diffusers folder, taesd_decoder.safetensors, or builtin:taesd")
     gen.add_argument("--allow-pickle", action="store_true", help="allow .ckpt pickle checkpoints (they can run code)")
     gen.add_argument("--engines", nargs="?", const=True, default=False, type=_engines_flag, metavar="auto|on|off",
                      help="run on the engines built for this model (alone or 'on'); 'auto' also builds one first "

@@ -100,6 +100,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
         from sd_accel import with_controlnets
 
         pipe = with_controlnets(pipe, args.controlnet, allow_pickle=args.allow_pickle)
+    if args.tiny_vae:  # the decoder (and encoder) engines are the tiny autoencoder's, as generate --tiny-vae uses
+        from sd_accel.api import use_vae
+
+        use_vae(pipe, f"tiny:{args.tiny_vae}")
     if args.no_cfg:  # Turbo, LCM-LoRA at CFG 1: one UNet row per image (LCM-distilled UNets need no flag)
         from dataclasses import replace
 
@@ -282,6 +286,8 @@ def add_commands(sub, engine_args) -> None:
     b.add_argument("--no-cfg", action="store_true",
                    help="UNet engines for CFG <= 1 (Turbo, LCM-LoRA): one row per image, not two")
     b.add_argument("--components", default=None, help="comma list: unet,vae,clip (default: all)")
+    b.add_argument("--tiny-vae", default=None, metavar="PATH", help="build the VAE engines for this tiny autoencoder "
+                   "(TAESD/TAESDXL folder or taesd_decoder.safetensors; builtin:taesd), as generate --tiny-vae runs it")
     b.add_argument("--backend", choices=BACKENDS, default="auto")
     b.add_argument("--precision", choices=("auto", *ENGINE_PRECISIONS), default="auto",
                    help="auto: the backend's default (`sd-accel doctor` lists each backend's)")

@@ -121,6 +121,8 @@ def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None
     """
     import torch
 
+    from sd_accel.prompts import takes_argument
+
     if not isinstance(params, GenerationParams):
         raise InvalidType(
             f"generate() takes a GenerationParams, got {type(params).__name__}: "
@@ -138,14 +140,19 @@ def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None
         num_images_per_prompt=params.batch,
         generator=generator,
     )
-    if params.negative_prompt is None or not _takes(pipe, "negative_prompt"):
+    if params.negative_prompt is None or not takes_argument(pipe, "negative_prompt"):
         # LatentConsistencyModelPipeline has no negative prompt (no CFG); an unset one stays unset
         if params.negative_prompt:
             logging.getLogger("sd_accel").warning("%s takes no negative prompt (it runs without CFG); "
                                                   "ignoring it", type(pipe).__name__)
         kwargs.pop("negative_prompt")
     if params.eta is not None:
-        kwargs["eta"] = float(params.eta)
+        # the same **kwargs would swallow eta too (LatentConsistencyModelPipeline has none): say so
+        if takes_argument(pipe, "eta"):
+            kwargs["eta"] = float(params.eta)
+        else:
+            logging.getLogger("sd_accel").warning("%s takes no eta; ignoring eta=%s", type(pipe).__name__,
+                                                  params.eta)
     if params.width:
         kwargs["width"] = params.width
     if params.height:
@@ -157,13 +164,6 @@ def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None
     finally:
         hook.remove()
     return GenerationResult(images, time.perf_counter() - start, params.steps, calls["n"], seed=seed)
-
-
-def _takes(pipe, name: str) -> bool:
-    import inspect
-
-    params = inspect.signature(pipe.__call__).parameters
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def save_png(image: Image.Image, path: str | Path, parameters: str) -> Path:

@@ -43,13 +43,26 @@ def _encode(encoder, chunks: list[list[int]], device, layer: int | None):
     return torch.cat(hidden, dim=1), pooled
 
 
+def takes_argument(pipe, name: str) -> bool:
+    """Whether ``pipe(...)`` reads the keyword argument ``name``: only when its signature names it.
+
+    Strict on purpose: a ``**kwargs`` does not count. diffusers' ``LatentConsistencyModelPipeline``
+    has one (for deprecated callbacks) and drops whatever else lands in it, so a negative prompt
+    passed there would be ignored without a word.
+
+    >>> takes_argument(pipe, "negative_prompt")  # doctest: +SKIP
+    False
+    """
+    import inspect
+
+    return name in inspect.signature(pipe.__call__).parameters
+
+
 def uses_negative_prompt(pipe, guidance_scale: float | None = None) -> bool:
     """Whether a call of ``pipe`` at ``guidance_scale`` reads a negative prompt: not without CFG
     (``guidance_scale <= 1``), not with a guidance-embedded UNet (LCM: ``time_cond_proj_dim``), and
     not in a pipeline that takes none (``LatentConsistencyModelPipeline``)."""
-    import inspect
-
-    if "negative_prompt_embeds" not in inspect.signature(pipe.__call__).parameters:
+    if not takes_argument(pipe, "negative_prompt_embeds"):
         return False
     if getattr(getattr(getattr(pipe, "unet", None), "config", None), "time_cond_proj_dim", None) is not None:
         return False

@@ -173,3 +173,64 @@ def test_tiny_sdxl_rows_time_both_text_encoders_and_build_clip2(tmp_path):
     assert not ref["skipped"] and not ort["skipped"], ort["skipped"]
     assert set(ort["engine_rel_l2"]) == {"clip.fp32", "clip2.fp32", "unet.fp32", "vae_decoder.fp32"}
     assert ref["clip_ms"] > 0 and ort["psnr_db"] > 10
+
+
+def test_recipes_set_the_model_steps_guidance_size_and_tiny_vae(monkeypatch):
+    """``--recipe lcm``: the LCM-distilled SD 1.5 architecture at 512 px, 4 steps, guidance 8 embedded
+    (no CFG rows), TAESD decoding every row; ``turbo``: SD-Turbo's SD 2.1-base shape, 1 step, CFG 0."""
+    import argparse
+
+    asked: list[tuple] = []
+    monkeypatch.setattr(bench, "default_model", lambda arch="sd15", recipe="default", tiny=False:
+                        asked.append((arch, recipe, tiny)) or f"/cache/{arch}-{recipe}")
+    monkeypatch.setattr(bench, "default_tiny_vae", lambda: "/cache/taesd")
+
+    def config(*argv: str):
+        p = argparse.ArgumentParser()
+        bench.add_arguments(p)
+        return bench.config_from_args(p.parse_args(["--device", "cpu", *argv]))[0]
+
+    lcm = config("--recipe", "lcm")
+    assert (lcm.model, lcm.height, lcm.steps, lcm.guidance_scale, lcm.tiny_vae) == ("/cache/sd15-lcm", 512, 4, 8.0,
+                                                                                   "/cache/taesd")
+    assert not lcm.cfg_rows and lcm.recipe == "lcm"
+    turbo = config("--recipe", "turbo", "--tiny")
+    assert (turbo.model, turbo.height, turbo.steps, turbo.guidance_scale) == ("/cache/sd2-base-turbo", 64, 1, 0.0)
+    assert not turbo.cfg_rows and asked[-1] == ("sd2-base", "turbo", True)
+    plain = config()
+    assert (plain.steps, plain.guidance_scale, plain.tiny_vae, plain.cfg_rows) == (20, 7.5, "", True)
+    assert config("--recipe", "lcm", "--guidance-scale", "1.5", "--tiny-vae", "/my/taesd").tiny_vae == "/my/taesd"
+    with pytest.raises(SystemExit, match="leave out --arch"):
+        config("--recipe", "turbo", "--arch", "sdxl")
+    assert bench.markdown_name(["--recipe", "lcm"]) == "BENCHMARKS-lcm.md"
+    assert bench.markdown_name(["--recipe=turbo", "--size", "512"]) == "BENCHMARKS-turbo.md"
+    assert bench.markdown_name(["--steps", "4"]) == "BENCHMARKS.md"
+
+
+@pytest.mark.slow
+def test_the_lcm_recipe_runs_one_unet_row_per_image_and_decodes_with_taesd(tmp_path):
+    """The few-step rows as measured: the LCM UNet (``timestep_cond``) and TAESD, plain diffusers
+    and on engines: one UNet row per call, one call per step, the static ``.nocfg`` UNet engine and a
+    TAESD decoder engine built, the Markdown saying which recipe it was."""
+    import argparse
+
+    from sd_accel import EngineCache
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    cfg, _, _ = bench.config_from_args(p.parse_args(["--device", "cpu", "--tiny", "--recipe", "lcm",
+                                                     "--engine-dir", str(tmp_path / "e"), "--out", str(tmp_path)]))
+    report = bench.run_bench(cfg, ["diffusers", "ort-fp32"], inprocess=True, log=lambda m: None)
+    ref, ort = report["rows"]
+    assert not ort["skipped"], ort["skipped"]
+    for row in (ref, ort):
+        d = row["details"]
+        assert d["unet_rows"] == [1] and d["unet_calls_per_image"] == cfg.steps == 3, d
+        assert d["scheduler"] == "LCMScheduler" and d["vae"] == "AutoencoderTiny", d
+    assert ort["details"]["engine_stats"]["unet"]["torch_calls"] == 0
+    assert ort["details"]["engine_stats"]["vae_decoder"]["torch_calls"] == 0 and ort["psnr_db"] > 30
+    records = {r.key.component: r for r in EngineCache(tmp_path / "e" / "ort-fp32").list()}
+    assert records["unet"].key.profile.endswith(".nocfg") and "timestep_cond" in records["unet"].shapes
+    assert records["vae_decoder"].shapes["latent"][0] == (1, 4, 8, 8)  # 64 px
+    md = bench.markdown(report, "python scripts/bench.py --tiny --recipe lcm")
+    assert "Recipe `lcm`" in md and "tiny autoencoder" in md and "batch 1: no CFG rows" in md

@@ -68,6 +68,29 @@ def test_the_worker_runs_the_script_with_the_venvs_python(tmp_path):
     assert Path(args["--export-dir"]).is_relative_to(tmp_path / "e" / "optimum-intel-hybrid-int8")
 
 
+def test_the_few_step_recipes_reach_the_script(tmp_path):
+    """Guidance and the tiny autoencoder go to bench_optimum.py; a TAESD decoder makes another export."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text('{"_class_name": "LatentConsistencyModelPipeline"}')
+    base = dict(model=str(model), device="cpu", height=512, width=512, engine_dir=str(tmp_path / "e"))
+    cmd = bench._optimum_cmd(BenchConfig(**base), "optimum-intel-default", "run", tmp_path)
+    plain = dict(zip(cmd[2::2], cmd[3::2], strict=True))
+    cfg = BenchConfig(**base, recipe="lcm", guidance_scale=8.0, tiny_vae="/c/taesd-random-seed0")
+    cmd = bench._optimum_cmd(cfg, "optimum-intel-default", "run", tmp_path)
+    args = dict(zip(cmd[2::2], cmd[3::2], strict=True))
+    assert args["--guidance-scale"] == "8.0" and args["--tiny-vae"] == "/c/taesd-random-seed0"
+    assert plain["--guidance-scale"] == "7.5" and "--tiny-vae" not in plain
+    assert args["--export-dir"] != plain["--export-dir"] and args["--export-dir"].endswith("+taesd-random-seed0")
+    script = load("bench_optimum")
+    assert script._is_lcm(model) and script.OV_PIPELINES["LatentConsistencyModelPipeline"] == \
+        "OVLatentConsistencyModelPipeline"
+    (model / "model_index.json").write_text('{"_class_name": "OVLatentConsistencyModelPipeline"}')  # an export
+    assert script._is_lcm(model)
+    (model / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    assert not script._is_lcm(model)
+
+
 def test_unknown_variants_list_the_optimum_rows():
     with pytest.raises(SystemExit, match="optimum-intel-default"):
         bench.main(["--tiny", "--variants", "nope"])

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sd_accel"
 # Bottom to top, as README's Layout lists them. A layer is the first name under sd_accel.
 ORDER = ["core", "paths", "units", "pages", "profiles", "device", "models", "optimize", "samplers", "components", "onnx",
          "backends", "cache", "runtime", "calibration", "validate", "build", "autobuild", "refit", "prompts", "config",
-         "api", "generate",
+         "api", "generate", "preview",
          "ui", "bench", "serve", "cli_engines", "cli", "webui", "comfyui"]
 
 
@@ -120,6 +120,7 @@ FACES = ("ui", "bench", "serve", "cli_engines", "cli", "webui")
 # in "." stands for every module under it.
 FACE_MODULES = {
     "*": {"sd_accel", "sd_accel.api", "sd_accel.config", "sd_accel.core", "sd_accel.profiles", "sd_accel.generate",
+          "sd_accel.preview",
           "sd_accel.samplers", "sd_accel.units", "sd_accel.backends.registry", "sd_accel.build",
           "sd_accel.cache.intermediates"},
     "webui": {"sd_accel.components.ldm_", "sd_accel.runtime", "sd_accel.runtime.modules", "sd_accel.refit",

@@ -122,18 +122,54 @@ def test_single_file_lcm_checkpoint_is_detected_and_loads_identically(lcm_sd15, 
     assert all(torch.equal(v, want[k]) for k, v in got.unet.state_dict().items())
 
 
-def test_generate_on_an_lcm_pipeline_without_a_negative_prompt_argument(lcm_sd15):
+def test_a_pipeline_takes_an_argument_only_when_its_signature_names_it(lcm_sd15, tiny_sd15):
+    from sd_accel.prompts import takes_argument
+
+    # LatentConsistencyModelPipeline.__call__ has **kwargs: that must not count as a negative prompt
+    assert not takes_argument(lcm_sd15, "negative_prompt") and not takes_argument(lcm_sd15, "eta")
+    assert takes_argument(lcm_sd15, "prompt") and takes_argument(lcm_sd15, "prompt_embeds")
+    assert takes_argument(tiny_sd15, "negative_prompt") and takes_argument(tiny_sd15, "eta")
+
+
+def _generate_counting_encodes(pipe, **fields):
+    """(generate()'s first image as floats, the input ids of each text-encoder call)."""
     from sd_accel.generate import GenerationParams, generate
 
-    pipe = lcm_sd15
-    encodes = []
-    hook = pipe.text_encoder.register_forward_pre_hook(lambda *_: encodes.append(1))
+    ids = []
+    hook = pipe.text_encoder.register_forward_pre_hook(lambda _m, args: ids.append(args[0][0].tolist()))
     try:
-        result = generate(pipe, GenerationParams(prompt="a cat", negative_prompt="blurry", steps=1, cfg=1.0,
-                                                 width=64, height=64))
+        result = generate(pipe, GenerationParams(prompt="a cat", width=64, height=64, **fields))
     finally:
         hook.remove()
-    assert result.unet_calls == 1 and len(encodes) == 1  # the negative prompt is never encoded
+    return result, np.asarray(result.images[0], dtype=np.float32) / 255, ids
+
+
+def test_generate_on_an_lcm_pipeline_warns_once_and_drops_the_negative_prompt(lcm_sd15, caplog):
+    import logging
+
+    pipe = lcm_sd15
+    ref, ref_image, _ = _generate_counting_encodes(pipe, steps=2, cfg=4.0)
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        result, image, encodes = _generate_counting_encodes(pipe, steps=2, cfg=4.0, negative_prompt="blurry",
+                                                            eta=0.3)
+    ignored = [r for r in caplog.records if "negative prompt" in r.getMessage()]
+    assert len(ignored) == 1 and "LatentConsistencyModelPipeline" in ignored[0].getMessage()
+    assert len([r for r in caplog.records if "takes no eta" in r.getMessage()]) == 1  # the same **kwargs
+    assert result.unet_calls == 2 and len(encodes) == 1  # the negative prompt is never encoded
+    assert np.abs(image - ref_image).max() < 1e-2  # 8-bit images: within a level or two
+
+
+def test_generate_on_a_plain_sd_pipeline_still_passes_the_negative_prompt(tiny_sd15, caplog):
+    import logging
+
+    pipe = tiny_sd15
+    negative = pipe.tokenizer("blurry", padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                              truncation=True).input_ids
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        result, _, encodes = _generate_counting_encodes(pipe, steps=1, cfg=7.0, negative_prompt="blurry")
+    assert not [r for r in caplog.records if "negative prompt" in r.getMessage()]
+    assert len(encodes) == 2 and encodes[1] == negative  # CFG's second row comes from the negative prompt
+    assert result.unet_calls == 1
 
 
 @pytest.mark.slow
@@ -145,6 +181,30 @@ def test_cli_build_no_cfg_makes_one_row_per_image_unet_engines(tmp_path, capsys)
                  "--static", "--no-cfg", "--backend", "onnxruntime", "--engine-dir", str(tmp_path), "--json"]) == 0
     (record,) = EngineCache(tmp_path).list()
     assert record.key.profile.endswith(".nocfg") and record.shapes["sample"][0][0] == 1
+
+
+@pytest.mark.slow
+def test_cli_build_no_cfg_makes_the_sdxl_turbo_unet_engine_a_cfg_0_call_runs_on(tmp_path, capsys):
+    """`sd-accel build --preset static-512 --no-cfg` for SDXL: one row per image for the latents and
+    for SDXL's added conditioning (text_embeds, time_ids), and an SDXL-Turbo call runs on it."""
+    import json
+
+    from sd_accel import EngineCache
+    from sd_accel.cli import main
+
+    assert main(["build", "--model", "builtin:tiny-sdxl", "--components", "unet", "--preset", "static-512",
+                 "--no-cfg", "--backend", "onnxruntime", "--engine-dir", str(tmp_path), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["engines"]
+    assert row["component"] == "unet" and row["profile"] == "static.b1.h512.w512.t77.nocfg"
+    (record,) = EngineCache(tmp_path).list()
+    assert all(record.shapes[name][0][0] == 1 for name in ("sample", "encoder_hidden_states", "text_embeds",
+                                                           "time_ids"))
+    pipe = accelerate(load_pipeline("builtin:tiny-sdxl"), precision="fp32", sampler="Euler a SGM Uniform",
+                      engines=True, backend="onnxruntime", engine_dir=str(tmp_path))
+    pipe("a cat", num_inference_steps=1, guidance_scale=0.0, height=512, width=512, output_type="latent",
+         generator=torch.Generator("cpu").manual_seed(0))
+    s = stats(pipe)["unet"]
+    assert s["engine_calls"] == 1 and s["torch_calls"] == 0
 
 
 @pytest.mark.slow
@@ -184,6 +244,61 @@ def test_turbo_style_cfg_0_runs_one_row_per_image_on_an_auto_built_static_engine
     s = stats(pipe)["unet"]
     assert s["engine_calls"] == 1 and s["torch_calls"] == 0
     assert ".static.b1." in s["builds"][0] and ".nocfg." in s["builds"][0]
+
+
+@pytest.fixture(scope="module")
+def sdxl_turbo_engines(tmp_path_factory):
+    """One engine folder for both step counts: the second run finds the first one's engines."""
+    return tmp_path_factory.mktemp("sdxl-turbo")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [1, 4])
+def test_sdxl_turbo_style_cfg_0_runs_one_row_per_image_on_an_auto_built_static_engine(steps, sdxl_turbo_engines):
+    """SDXL-Turbo's recipe (the SDXL architecture at 512 px, 1 to 4 steps of Euler a with trailing
+    spacing, CFG 0): one UNet row per image, with SDXL's added conditioning (``text_embeds``,
+    ``time_ids``) one row too, served by a static one-row engine that engines="auto" builds; the
+    negative prompt never encoded by either text encoder."""
+    from sd_accel import EngineCache
+
+    def run(pipe, **kwargs) -> np.ndarray:
+        g = torch.Generator("cpu").manual_seed(0)
+        return pipe("a cat", num_inference_steps=steps, guidance_scale=0.0, height=512, width=512, generator=g,
+                    output_type="np", **kwargs).images
+
+    pipe = load_pipeline("builtin:tiny-sdxl")
+    config = AccelConfig(precision="fp32", sampler="Euler a SGM Uniform")
+    accelerate(pipe, config)
+    assert type(pipe.scheduler).__name__ == "EulerAncestralDiscreteScheduler"
+    assert pipe.scheduler.config.timestep_spacing == "trailing"
+    ref = run(pipe)
+    accelerate(pipe, config, engines="auto", backend="onnxruntime", engine_dir=str(sdxl_turbo_engines))
+    rows, encodes = [], {"text_encoder": 0, "text_encoder_2": 0}
+
+    def unet_rows(_m, args, kwargs):
+        added = kwargs["added_cond_kwargs"]
+        rows.append((args[0].shape[0], added["text_embeds"].shape[0], added["time_ids"].shape[0]))
+
+    def count(name):
+        return lambda *_: encodes.__setitem__(name, encodes[name] + 1)
+
+    hooks = [pipe.unet.register_forward_pre_hook(unet_rows, with_kwargs=True),
+             *(getattr(pipe, name).register_forward_pre_hook(count(name)) for name in encodes)]
+    try:
+        out = run(pipe, negative_prompt="blurry")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert np.abs(out - ref).max() < 1e-3
+    assert rows == [(1, 1, 1)] * steps
+    assert encodes == {"text_encoder": 1, "text_encoder_2": 1}  # the prompt's, not the negative's
+    assert all(v["torch_calls"] == 0 for v in stats(pipe).values())  # text encoders and VAE on engines too
+    s = stats(pipe)["unet"]
+    assert s["engine_calls"] == steps
+    (unet,) = [r for r in EngineCache(sdxl_turbo_engines).list() if r.key.component == "unet"]
+    assert unet.key.profile == "static.b1.h512.w512.t77.nocfg"
+    assert tuple(unet.shapes["sample"][0]) == (1, 4, 64, 64) and unet.shapes["text_embeds"][0][0] == 1
+    assert s["builds"] in ([], [unet.key.name])  # built by the first run of this module, reused by the next
 
 
 def test_long_prompts_leave_the_negative_out_where_the_call_reads_none(lcm_sd15):

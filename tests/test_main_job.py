@@ -41,3 +41,40 @@ def test_main_job_builds_on_first_run_and_reuses_after(tmp_path):
     second = _main_job(*args)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "engines reused from the cache" in second.stdout
+
+
+def test_few_step_adds_the_recipe_where_the_command_line_leaves_it_out():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from main_job import few_step_args
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    full = few_step_args([])
+    assert dict(zip(full[::2], full[1::2], strict=True)) == {
+        "--model": "builtin:tiny-sd15-lcm", "--sampler": "LCM", "--steps": "4", "--cfg": "1",
+        "--tiny-vae": "builtin:taesd", "--size": "512x512"}
+    mine = few_step_args(["--model", "my.safetensors", "--steps=6"])
+    assert "--size" not in mine and mine.count("--steps") == 0 and mine[-2:] == ["my.safetensors", "--steps=6"]
+
+
+@pytest.mark.slow
+def test_main_job_few_step_runs_the_lcm_unet_and_taesd_on_no_cfg_engines(tmp_path):
+    """``scripts/run.sh --few-step``: the LCM-distilled built-in model, 4 LCM steps at CFG 1 and the
+    built-in TAESD, at 512 px; the build is the no-CFG UNet and TAESD's decoder, and the run uses them."""
+    from sd_accel import EngineCache, load_pipeline
+    from sd_accel.build import built_from
+    from sd_accel.optimize.vae_choice import use_vae
+
+    proc = _main_job("--few-step", "--engine-dir", str(tmp_path / "engines"), "--out", str(tmp_path / "img.png"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "few-step recipe: LCM sampler, CFG 1, tiny VAE builtin:taesd" in proc.stdout
+    assert "512x512, 4 steps" in proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if "on engines:" in x)
+    assert line.split("on engines:")[1].strip().startswith("clip, unet, vae_decoder ("), line
+    records = {r.key.component: r for r in EngineCache(tmp_path / "engines").list()}
+    assert records["unet"].key.profile.endswith(".nocfg") and "timestep_cond" in records["unet"].shapes
+    assert records["vae_decoder"].shapes["latent"][0] == (1, 4, 64, 64)
+    pipe = load_pipeline("builtin:tiny-sd15-lcm")
+    assert not built_from(pipe, records["vae_decoder"])  # not the model's own VAE decoder: TAESD's
+    use_vae(pipe, "tiny:builtin:taesd")
+    assert built_from(pipe, records["vae_decoder"]) and built_from(pipe, records["unet"])

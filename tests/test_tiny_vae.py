@@ -93,6 +93,28 @@ def test_cli_and_serve_flags_map_to_the_config():
     assert served.accel.vae == "tiny:/m/taesd_decoder.safetensors"
 
 
+def test_the_built_in_taesd_and_lcm_model_run_the_few_step_recipe_offline():
+    """``builtin:taesd`` (TAESD's real architecture, random weights) and ``builtin:tiny-sd15-lcm`` (an
+    LCM-distilled UNet: the guidance embedding of released LCM UNets): built once, loaded from the
+    cache, and the pair makes an image; the autoencoder is refused as a model, with the way to use it."""
+    from diffusers import AutoencoderTiny, LatentConsistencyModelPipeline, LCMScheduler
+
+    tiny = load_tiny_vae("builtin:taesd")
+    assert isinstance(tiny, AutoencoderTiny) and tiny.config.scaling_factor == 1.0
+    assert sum(p.numel() for p in tiny.decoder.parameters()) > 1_000_000  # TAESD's size, not a toy
+    again = load_tiny_vae("builtin:taesd")
+    assert all(torch.equal(a, b) for a, b in zip(tiny.state_dict().values(), again.state_dict().values(), strict=True))
+    pipe = load_pipeline("builtin:tiny-sd15-lcm")
+    assert isinstance(pipe, LatentConsistencyModelPipeline) and isinstance(pipe.scheduler, LCMScheduler)
+    assert pipe.unet.config.time_cond_proj_dim == 256
+    accelerate(pipe, AccelConfig(precision="fp32", vae="tiny:builtin:taesd"))
+    assert isinstance(pipe.vae, AutoencoderTiny)
+    image = _run(pipe, steps=2, guidance_scale=8.0)
+    assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
+    with pytest.raises(InvalidValue, match="tiny autoencoder, not a model.*--tiny-vae builtin:taesd"):
+        load_pipeline("builtin:taesd")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
 def test_tiny_vae_engines_decode_and_encode_like_torch(taesd, tmp_path, backend):

@@ -236,6 +236,12 @@ def test_bad_generation_numbers_are_refused_before_a_model_loads(tmp_path, bad, 
     assert not state._pipes  # refused before loading anything
 
 
+# The Generate button's inputs, in the panel's order.
+PANEL_VALUES = dict(model="builtin:tiny-sd15", prompt="a cat", negative="", sampler="Euler", steps=2, cfg=7.0,
+                    width=64, height=64, batch=1, seed=0, attention="auto", precision="auto", offload="none",
+                    engines=True, tiny_vae="", preview="auto")
+
+
 def _panel_handler(demo, name: str):
     fns = demo.fns.values() if isinstance(demo.fns, dict) else demo.fns  # dict on Gradio >= 4
     return next(f.fn for f in fns if getattr(f.fn, "__name__", "") == name)
@@ -247,11 +253,8 @@ def test_the_panel_shows_a_bad_generation_number_as_an_error(tmp_path, bad, mess
 
     state = PanelState(engine_dir=str(tmp_path))
     on_generate = _panel_handler(build_panel(state), "on_generate")
-    values = dict(model="builtin:tiny-sd15", prompt="a cat", negative="", sampler="Euler", steps=2, cfg=7.0,
-                  width=64, height=64, batch=1, seed=0, attention="auto", precision="auto", offload="none",
-                  engines=True)
-    values.update(bad)
-    images, report = on_generate(*values.values())
+    values = {**PANEL_VALUES, **bad}
+    [(images, report)] = list(on_generate(*values.values()))  # one answer: the error
     assert images == [] and report.startswith("**Error**: ") and message in report
     assert not state._pipes
 
@@ -341,3 +344,144 @@ def test_a_host_extends_builds_through_the_public_extension_points(tmp_path):
     assert _drain(state.rebuild(key.name, "builtin:tiny-sd15"))[-1].ok
     assert seen == [("host:loaded", ("unet",), STATIC_64.tag, None),
                     ("host:loaded", ("unet",), STATIC_64.tag, key.name)]
+
+
+# --------------------------------------------------------------------------- tiny VAE and live preview
+
+
+@pytest.fixture(scope="module")
+def taesd(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random TAESD in the layouts people download ({layout: path}, support.taesd_files)."""
+    from support.taesd_files import tiny_autoencoder, write_layouts
+
+    return write_layouts(tiny_autoencoder(), tmp_path_factory.mktemp("ui-taesd"))
+
+
+def _loaded(state: PanelState):
+    [(pipe, _)] = state._pipes.values()
+    return pipe
+
+
+def _pixels(image):
+    import numpy as np
+
+    return np.asarray(image, dtype=np.float32)
+
+
+def test_the_tiny_vae_field_reaches_the_pipeline_and_the_report(tmp_path, taesd):
+    from diffusers import AutoencoderKL, AutoencoderTiny
+
+    from sd_accel.ui import build_panel
+
+    state = PanelState(engine_dir=str(tmp_path))
+    on_generate = _panel_handler(build_panel(state), "on_generate")
+    out = list(on_generate(*{**PANEL_VALUES, "engines": "off", "tiny_vae": f'"{taesd["single"]}"'}.values()))
+    images, report = out[-1]
+    assert len(images) == 1 and "Decoded with the tiny VAE (TAESD)" in report and "it/s" in report
+    assert isinstance(_loaded(state).vae, AutoencoderTiny)
+    assert _loaded(state).sd_accel.config.vae == f"tiny:{taesd['single']}"  # the quotes went
+    # an empty field: the model's own VAE again
+    state.generate(_tiny_request(engines=False, tiny_vae=" "))
+    assert isinstance(_loaded(state).vae, AutoencoderKL)
+
+
+def test_a_bad_tiny_vae_path_says_what_to_do_and_keeps_the_last_pipeline(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from sd_accel.ui import build_panel
+
+    state = PanelState(engine_dir=str(tmp_path))
+    first = state.generate(_tiny_request(engines=False))
+    pipe = _loaded(state)
+    foreign = tmp_path / "x_decoder.safetensors"
+    save_file({"conv_in.weight": torch.zeros(4, 3, 3, 3)}, str(foreign))
+    for path, why in ((tmp_path / "nope" / "taesd_decoder.safetensors", "no such file or folder"),
+                      (foreign, "is not of a TAESD file")):
+        with pytest.raises(InvalidValue, match="Tiny VAE") as err:
+            state.generate(_tiny_request(engines=False, tiny_vae=str(path)))
+        assert why in str(err.value) and "taesd_decoder.safetensors" in str(err.value)
+        assert "the model's own VAE" in str(err.value)  # ... or empty the field
+        assert _loaded(state) is pipe  # nothing was dropped to make room
+        # the panel shows it in the report; a build with it is refused before anything runs
+        on_generate = _panel_handler(build_panel(state), "on_generate")
+        [(images, report)] = list(on_generate(*{**PANEL_VALUES, "tiny_vae": str(path)}.values()))
+        assert images == [] and report.startswith("**Error**: The Tiny VAE (TAESD) field: ") and why in report
+        [update] = list(state.build(BuildRequest(profile=STATIC_64, components=("vae_decoder",), vae=str(path))))
+        assert update.done and not update.ok and why in update.text
+    again = state.generate(_tiny_request(engines=False))
+    assert _loaded(state) is pipe
+    assert abs(_pixels(again.images[0]) - _pixels(first.images[0])).max() <= 1.0
+
+
+def test_the_panel_builds_and_runs_tiny_vae_engines(tmp_path, taesd):
+    """A build with the field set makes the tiny decoder's engine; a generation with it runs there.
+    A build without it is the model's own decoder again (another engine)."""
+    from diffusers import AutoencoderTiny
+
+    state = PanelState(engine_dir=str(tmp_path), backend="onnxruntime")
+    tiny = str(taesd["single"])
+    done = _drain(state.build(BuildRequest(profile=STATIC_64, components=("vae_decoder",), vae=tiny)))[-1]
+    assert done.ok, done.text
+    [record] = done.records
+    assert record.validation["ok"]
+    out = state.generate(_tiny_request(tiny_vae=tiny))  # engines on: cached ones only
+    assert out.usage["vae_decoder"] == "engine (1 call)" and out.usage["unet"].startswith("torch (no engine")
+    assert isinstance(_loaded(state).vae.torch_module, AutoencoderTiny)
+    own = _drain(state.build(BuildRequest(profile=STATIC_64, components=("vae_decoder",))))[-1]
+    assert own.ok and own.records[0].name != record.name
+    assert sorted(engine_names(state.cache())) == sorted([record.name, own.records[0].name])
+
+
+@pytest.mark.parametrize("tiny", [False, True], ids=["latent2rgb", "tiny-vae"])
+def test_live_preview_shows_steps_and_leaves_the_image_as_it_was(tmp_path, taesd, tiny):
+    """Previews every few steps, decoded cheaply; the final image equals a run without them. Euler a
+    draws noise at every step from the generator: a preview that touched it would change the image."""
+    from sd_accel.preview import Preview
+
+    state = PanelState(engine_dir=str(tmp_path))
+    fields = dict(prompt="a cat", width=64, height=64, steps=4, batch=2, sampler="Euler a", engines=False,
+                  tiny_vae=str(taesd["single"]) if tiny else None)
+    items = list(state.generate_stream(GenerateRequest(**fields, preview="auto")))
+    previews, final = items[:-1], items[-1]
+    assert [(p.step, p.steps) for p in previews] == [(1, 4), (2, 4), (3, 4)]  # none after the last step
+    assert all(isinstance(p, Preview) and p.decoder == ("tiny VAE" if tiny else "latent2rgb") for p in previews)
+    assert all(len(p.images) == 2 and p.images[0].size == (64, 64) for p in previews)
+    assert previews[0].images[0].tobytes() != previews[-1].images[0].tobytes()  # they follow the sampling
+    plain = state.generate(GenerateRequest(**fields, preview="off"))
+    assert len(final.images) == len(plain.images) == 2
+    for a, b in zip(final.images, plain.images, strict=True):
+        assert abs(_pixels(a) - _pixels(b)).max() <= 1.0  # uint8 pixels: at most one rounding step apart
+    assert [type(i).__name__ for i in state.generate_stream(GenerateRequest(**fields, preview="off"))] == [
+        "GenerateOutcome"]
+    with pytest.raises(InvalidValue, match="preview 'sometimes'"):
+        state.generate_stream(GenerateRequest(**fields, preview="sometimes"))
+
+
+def test_a_preview_stream_closed_early_frees_the_panel(tmp_path):
+    """The page went away: the pipeline skips its remaining steps and the lock is released."""
+    state = PanelState(engine_dir=str(tmp_path))
+    stream = state.generate_stream(GenerateRequest(prompt="a cat", width=64, height=64, steps=40, sampler="Euler",
+                                                   engines=False))
+    next(stream)
+    stream.close()
+    assert state._lock.acquire(timeout=120)  # (a bound for a hung worker, not a timing)
+    state._lock.release()
+    assert state.generate(_tiny_request(engines=False)).images  # the pipeline runs as before
+
+
+def test_latent2rgb_maps_latents_to_rgb_per_family():
+    import torch
+
+    from sd_accel.preview import LATENT_RGB, latent_to_rgb, preview_every
+
+    zeros = latent_to_rgb(torch.zeros(1, 4, 2, 3))
+    assert zeros.shape == (1, 3, 2, 3) and torch.allclose(zeros, torch.full_like(zeros, 0.5))
+    bias = torch.tensor(LATENT_RGB["sdxl"][1]).view(1, 3, 1, 1)
+    assert torch.allclose(latent_to_rgb(torch.zeros(1, 4, 2, 2), "sdxl"), (bias + 1) / 2)
+    one = torch.zeros(1, 4, 1, 1)
+    one[0, 3] = 1.0  # SD 1.x's fourth channel is mostly blue, negatively
+    rgb = latent_to_rgb(one)[0, :, 0, 0]
+    assert torch.allclose(rgb, (torch.tensor(LATENT_RGB["sd15"][0][3]) + 1) / 2)
+    assert latent_to_rgb(torch.full((1, 4, 1, 1), 50.0)).max() <= 1.0  # clamped
+    assert [preview_every(n) for n in (1, 4, 20, 150)] == [1, 1, 5, 5]

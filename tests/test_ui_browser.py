@@ -215,3 +215,31 @@ def test_build_generate_delete_in_browser(app, page):
     engine_dir = page.locator("#sd-accel-engine-dir textarea, #sd-accel-engine-dir input").first
     expect(engine_dir).to_have_value(str(app[1]))
     _shot(page, "ui-settings.png")
+
+
+def test_tiny_vae_field_in_browser(app, page, tmp_path_factory):
+    """The Tiny VAE (TAESD) field: a bad path is an error in the report, a good one decodes the image
+    (engines off: torch, no build)."""
+    from playwright.sync_api import expect
+
+    from support.taesd_files import tiny_autoencoder, write_layouts
+
+    taesd = write_layouts(tiny_autoencoder(), tmp_path_factory.mktemp("ui-taesd"))["single"]
+    _tab(page, "Generate")
+    _set_slider(page, "sd-accel-width", 64)
+    _set_slider(page, "sd-accel-height", 64)
+    _set_slider(page, "sd-accel-steps", 2)
+    page.locator("#sd-accel-use-engines input").click()
+    page.get_by_role("option", name="off").or_(page.locator("#sd-accel-use-engines li", has_text="off")).first.click()
+    field = page.locator("#sd-accel-tiny-vae textarea, #sd-accel-tiny-vae input").first
+    report = page.locator("#sd-accel-report").first
+    field.fill(str(taesd.parent / "missing.safetensors"))
+    page.locator("#sd-accel-generate").click()
+    expect(report).to_contain_text("The Tiny VAE (TAESD) field", timeout=BUILD_TIMEOUT_MS)
+    expect(report).to_contain_text("no such file or folder")
+    field.fill(str(taesd))
+    page.locator("#sd-accel-generate").click()
+    expect(report).to_contain_text("Decoded with the tiny VAE (TAESD)", timeout=BUILD_TIMEOUT_MS)
+    expect(report).to_contain_text("it/s")
+    expect(page.locator("#sd-accel-gallery img").first).to_be_visible()
+    _shot(page, "ui-generate-tiny-vae.png")

@@ -1,4 +1,6 @@
-"""Built-in tiny models: ``builtin:tiny-sd15``, ``builtin:tiny-sdxl`` (and ``builtin:tiny-sd2``).
+"""Built-in tiny models: ``builtin:tiny-sd15``, ``builtin:tiny-sdxl`` (and ``builtin:tiny-sd2``),
+``builtin:tiny-sd15-lcm`` (an LCM-distilled UNet: ``time_cond_proj_dim``, the LCM scheduler), and
+the tiny autoencoder ``builtin:taesd`` (TAESD's architecture: ``--tiny-vae builtin:taesd``).
 
 Built once from configs with seeded random weights, saved as a diffusers folder in the cache,
 and loaded from there afterwards. Their images are noise; a real checkpoint gives real pictures.
@@ -19,7 +21,16 @@ from sd_accel.models.tiny import TINY_OVERRIDES
 from sd_accel.paths import cache_dir
 
 PREFIX = "builtin:"
-BUILTINS: dict[str, str] = {"tiny-sd15": "sd15", "tiny-sd2": "sd2-v", "tiny-sdxl": "sdxl"}
+BUILTINS: dict[str, str] = {"tiny-sd15": "sd15", "tiny-sd2": "sd2-v", "tiny-sdxl": "sdxl", "tiny-sd15-lcm": "sd15"}
+# what a built-in model changes in its family's tiny configs: the LCM one is what LCM-distilled
+# checkpoints (LCM Dreamshaper v7) are, the guidance embedding of 256 included
+_CHANGES: dict[str, dict[str, dict]] = {"tiny-sd15-lcm": {
+    "unet/config.json": {"time_cond_proj_dim": 256},
+    "scheduler/scheduler_config.json": {"_class_name": "LCMScheduler", "original_inference_steps": 50},
+    "model_index.json": {"_class_name": "LatentConsistencyModelPipeline", "scheduler": ["diffusers", "LCMScheduler"]},
+}}
+TINY_VAES = ("taesd",)  # built-in AutoencoderTiny folders (not pipelines)
+_TAESD_CONFIG = Path(__file__).resolve().parent / "configs" / "taesd"  # (models/taesd.py reads the same)
 _SEED = 1234
 # Bump when the tiny configs change, so old cached folders are not reused.
 _VERSION = 2
@@ -43,6 +54,9 @@ def builtin_path(name: str) -> Path:
     """
     if name.startswith(PREFIX):
         name = name[len(PREFIX) :]
+    if name in TINY_VAES:
+        raise InvalidValue(f"builtin:{name} is a tiny autoencoder, not a model: pass it as the tiny VAE "
+                           f"(--tiny-vae builtin:{name}, AccelConfig(vae='tiny:builtin:{name}'))")
     if name not in BUILTINS:
         raise InvalidValue(
             f"unknown built-in model {name!r}; available: {', '.join(PREFIX + b for b in BUILTINS)}"
@@ -52,7 +66,34 @@ def builtin_path(name: str) -> Path:
         if not (dest / "model_index.json").exists():
             tmp = dest.with_name(dest.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            build_tiny_pipeline(BUILTINS[name]).save_pretrained(tmp, safe_serialization=True)
+            family = BUILTINS[name]
+            pipe = random_pipeline(merged(tiny_configs(family), _CHANGES[name]), seed=_SEED) if name in _CHANGES \
+                else build_tiny_pipeline(family)
+            pipe.save_pretrained(tmp, safe_serialization=True)
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+    return dest
+
+
+def builtin_tiny_vae_path(name: str) -> Path:
+    """The diffusers folder of a built-in tiny autoencoder (``builtin:taesd``: TAESD's architecture
+    and config, seeded random weights), built on first use. Its images are noise, like the models'.
+    """
+    from diffusers import AutoencoderTiny
+    from torch import manual_seed
+
+    name = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    if name not in TINY_VAES:
+        raise InvalidValue(f"unknown built-in tiny autoencoder {name!r}; available: "
+                           f"{', '.join(PREFIX + b for b in TINY_VAES)}")
+    dest = cache_dir() / "builtin" / f"{name}-v{_VERSION}"
+    with FileLock(str(dest) + ".lock"):
+        if not (dest / "config.json").exists():
+            tmp = dest.with_name(dest.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            manual_seed(_SEED)
+            AutoencoderTiny.from_config(AutoencoderTiny.load_config(_TAESD_CONFIG)).eval().save_pretrained(
+                tmp, safe_serialization=True)
             shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
     return dest

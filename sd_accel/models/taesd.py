@@ -142,6 +142,10 @@ def load_tiny_vae(source: str | Path, allow_pickle: bool = False) -> torch.nn.Mo
     """
     from diffusers import AutoencoderTiny
 
+    if str(source).startswith("builtin:"):
+        from sd_accel.models.builtin import builtin_tiny_vae_path
+
+        source = builtin_tiny_vae_path(str(source))
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelNotFound(f"tiny VAE {source}: no such file or folder")

@@ -18,6 +18,7 @@ from typing import Any
 import gradio as gr
 
 from sd_accel.config import ATTENTION, BACKENDS, OFFLOAD, PRECISION
+from sd_accel.preview import PREVIEW_MODES, Preview
 from sd_accel.profiles import PRESETS, RANGE_GRAMMAR, default_preset
 from sd_accel.ui.state import (
     BUILD_PRECISIONS,
@@ -36,6 +37,10 @@ from sd_accel.ui.state import (
 )
 
 DEFAULT_SAMPLER_LABEL = "default (the model's scheduler)"
+# On by default: latent2rgb is a 4x3 matrix product on the latents (~2 ms at 512 px), TAESD a
+# small share of the UNet steps between two previews (1.6 s at 512 px on one CPU thread, measured);
+# "off" saves even that, and the images sent to the browser.
+DEFAULT_PREVIEW = "auto"
 _USER_ERRORS = (Busy, ValueError, RuntimeError, FileNotFoundError, OSError)
 
 
@@ -103,22 +108,31 @@ def build_panel(state: PanelState | None = None) -> gr.Blocks:
         else:
             gr.Markdown("## sd-accel\nFaster Stable Diffusion: engines (TensorRT, ONNX Runtime), "
                         "attention, precision and sampler presets.")
-        model = gr.Textbox(value=state.model or DEFAULT_MODEL, label="Model", visible=state.show_model,
-                           placeholder="a .safetensors checkpoint, a diffusers folder, or builtin:tiny-sd15",
-                           elem_id="sd-accel-model")
+        with gr.Row(visible=state.show_model):
+            model = gr.Textbox(value=state.model or DEFAULT_MODEL, label="Model", visible=state.show_model,
+                               placeholder="a .safetensors checkpoint, a diffusers folder, or builtin:tiny-sd15",
+                               scale=3, elem_id="sd-accel-model")
+            # Beside the model: generation decodes with it, and builds make its VAE engines.
+            tiny_vae = gr.Textbox(value="", label="Tiny VAE (TAESD): empty = the model's own VAE",
+                                  visible=state.show_model, scale=2, elem_id="sd-accel-tiny-vae",
+                                  placeholder="taesd_decoder.safetensors (taesdxl_ for SDXL) or a TAESD folder")
         gen_precision = None
         if state.show_generate:
             with gr.Tab("Generate", elem_id="sd-accel-tab-generate"):
-                gen_precision = _generate_tab(state, model)
+                gen_precision = _generate_tab(state, model, tiny_vae)
         with gr.Tab("Engines", elem_id="sd-accel-tab-engines"):
-            eng = _engines_tab(state, model, status)
+            eng = _engines_tab(state, model, tiny_vae, status)
         with gr.Tab("Settings", elem_id="sd-accel-tab-settings"):
             _settings_tab(state, gen_precision, eng)
         demo.load(lambda: _engine_outputs(state), None, eng["listing"], **_event_kwargs(demo.load, heavy=False))
     return demo
 
 
-def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
+def _preview_report(preview: Preview) -> str:
+    return f"Sampling: step {preview.step} of {preview.steps} (preview: {preview.decoder})"
+
+
+def _generate_tab(state: PanelState, model: gr.Textbox, tiny_vae: gr.Textbox) -> gr.Dropdown:
     """Lay out the Generate tab and wire its button; returns the precision dropdown (Settings sets it)."""
     with gr.Row():
         with gr.Column(scale=3):
@@ -129,6 +143,8 @@ def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
                                       elem_id="sd-accel-sampler")
                 steps = gr.Slider(1, 150, value=20, step=1, label="Steps", elem_id="sd-accel-steps")
                 cfg = gr.Slider(1.0, 30.0, value=7.0, step=0.5, label="CFG scale", elem_id="sd-accel-cfg")
+                preview = gr.Dropdown(list(PREVIEW_MODES), value=DEFAULT_PREVIEW, label="Live preview",
+                                      info="auto: tiny VAE if set, else latent2rgb", elem_id="sd-accel-preview")
             with gr.Row():
                 width = gr.Slider(64, 2048, value=512, step=8, label="Width", elem_id="sd-accel-width")
                 height = gr.Slider(64, 2048, value=512, step=8, label="Height", elem_id="sd-accel-height")
@@ -149,7 +165,8 @@ def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
             report = gr.Markdown("", elem_id="sd-accel-report")
 
     def on_generate(model_text, prompt_text, negative_text, sampler_name, n_steps, cfg_scale, w, h, n,
-                    seed_value, attention_name, precision_name, offload_name, engines_on):
+                    seed_value, attention_name, precision_name, offload_name, engines_on, tiny_vae_text,
+                    preview_mode) -> Iterator[tuple[list, str]]:
         # The numbers go as the widgets give them: GenerationParams (through state.generate)
         # is the one place that checks them, with the same messages as the CLI.
         req = GenerateRequest(
@@ -159,20 +176,24 @@ def _generate_tab(state: PanelState, model: gr.Textbox) -> gr.Dropdown:
             steps=n_steps, cfg=cfg_scale, width=w, height=h, batch=n,
             seed=0 if seed_value is None else seed_value, attention=attention_name, precision=precision_name,
             offload=offload_name, engines=engines_on if isinstance(engines_on, bool) else (engines_on or "off"),
+            tiny_vae=tiny_vae_text or None, preview=preview_mode or "off",
         )
         try:
-            outcome = state.generate(req)
+            for item in state.generate_stream(req):
+                if isinstance(item, Preview):
+                    yield item.images, _preview_report(item)
+                else:
+                    yield item.images, item.report()
         except _USER_ERRORS as exc:  # shown in the report, not as a stack trace
-            return [], f"**Error**: {exc}"
-        return outcome.images, outcome.report()
+            yield [], f"**Error**: {exc}"
 
     inputs = [model, prompt, negative, sampler, steps, cfg, width, height, batch, seed, attention, precision,
-              offload, use_engines]
+              offload, use_engines, tiny_vae, preview]
     button.click(on_generate, inputs, [gallery, report], **_event_kwargs(button.click, heavy=True))
     return precision
 
 
-def _engines_tab(state: PanelState, model: gr.Textbox, status: Any = None) -> dict[str, Any]:
+def _engines_tab(state: PanelState, model: gr.Textbox, tiny_vae: gr.Textbox, status: Any = None) -> dict[str, Any]:
     """Lay out the Engines tab and wire it; returns the components other tabs update."""
     first = getattr(state, "default_preset", None) or default_preset("sd15")
     with gr.Row():
@@ -213,7 +234,7 @@ def _engines_tab(state: PanelState, model: gr.Textbox, status: Any = None) -> di
     action = gr.Markdown("", elem_id="sd-accel-engine-action")
     listing = [table, name, disk] + ([status] if status is not None else [])
 
-    def on_build(model_text, *fields_and_choices) -> Iterator[str]:
+    def on_build(model_text, tiny_vae_text, *fields_and_choices) -> Iterator[str]:
         *ranges, backend_name, precision_name, picked = fields_and_choices
         try:
             profile = profile_from_fields(*ranges)
@@ -221,15 +242,16 @@ def _engines_tab(state: PanelState, model: gr.Textbox, status: Any = None) -> di
             yield f"**Cannot build**: {exc}"
             return
         req = BuildRequest(profile=profile, model=(model_text or "").strip() or DEFAULT_MODEL,
-                           components=tuple(picked or ()), backend=backend_name, precision=precision_name)
+                           components=tuple(picked or ()), backend=backend_name, precision=precision_name,
+                           vae=tiny_vae_text or None)
         for update in state.build(req):
             yield _progress_markdown(update)
 
-    def on_rebuild(model_text, engine_name) -> Iterator[str]:
+    def on_rebuild(model_text, tiny_vae_text, engine_name) -> Iterator[str]:
         if not engine_name:
             yield "Pick an engine to rebuild first."
             return
-        for update in state.rebuild(engine_name, (model_text or "").strip() or DEFAULT_MODEL):
+        for update in state.rebuild(engine_name, (model_text or "").strip() or DEFAULT_MODEL, tiny_vae_text or None):
             yield _progress_markdown(update)
 
     def on_delete(engine_name):
@@ -256,13 +278,13 @@ def _engines_tab(state: PanelState, model: gr.Textbox, status: Any = None) -> di
     preset.change(on_preset, preset, ranges, **quick)
     for box in ranges:
         box.change(on_range, [preset, *ranges], preset, **quick)
-    build_inputs = [model, r_batch, r_height, r_width, r_tokens, backend, precision, components]
+    build_inputs = [model, tiny_vae, r_batch, r_height, r_width, r_tokens, backend, precision, components]
     def after_build():  # the table changed; an old "Cancelling..." line no longer applies
         return ("", *_engine_outputs(state))
 
     build.click(on_build, build_inputs, progress, **heavy).then(after_build, None, [action, *listing], **quick)
     cancel.click(state.cancel_build, None, action, **quick)
-    rebuild.click(on_rebuild, [model, name], progress, **heavy).then(
+    rebuild.click(on_rebuild, [model, tiny_vae, name], progress, **heavy).then(
         after_build, None, [action, *listing], **quick)
     delete.click(on_delete, name, [action, *listing], **quick)
     refresh.click(lambda: _engine_outputs(state), None, listing, **quick)

@@ -25,6 +25,7 @@ from typing import Any
 from sd_accel.config import BACKENDS, ENGINE_PRECISIONS, PRECISION
 from sd_accel.core import COMPONENTS, DEFAULT_COMPONENTS, Busy, InvalidValue
 from sd_accel.generate import GenerationParams
+from sd_accel.preview import PREVIEW_MODES, Preview
 from sd_accel.profiles import PRESETS, Profile, format_range, parse_range
 
 log = logging.getLogger("sd_accel")
@@ -38,6 +39,38 @@ ENGINE_MODES = {"auto": "auto", "cached": True, "off": False}
 ENGINE_HEADERS = ["component", "profile", "precision", "backend", "size", "rel_l2", "status", "last used",
                   "model", "name"]
 _POLL_S = 0.25  # how often a waiting build generator wakes to yield (keeps the page live)
+TINY_VAE_HINT = ("Give the path of a taesd_decoder.safetensors (taesdxl_decoder.safetensors for SDXL) or of a "
+                 "diffusers TAESD folder, or empty the field to decode with the model's own VAE.")
+
+
+# --------------------------------------------------------------------------- the tiny VAE field
+
+
+def tiny_vae_choice(path: str | None) -> str | None:
+    """``AccelConfig.vae`` for the panel's Tiny VAE (TAESD) field: None when it is empty.
+
+    Quotes around the path go (Windows' "Copy as path" adds them).
+
+    >>> tiny_vae_choice("  "), tiny_vae_choice('"/m/taesd_decoder.safetensors"')
+    (None, 'tiny:/m/taesd_decoder.safetensors')
+    """
+    text = (path or "").strip().strip('"').strip("'").strip()
+    return f"tiny:{text}" if text else None
+
+
+def check_tiny_vae(path: str | None) -> None:
+    """:class:`InvalidValue` saying what was wrong and what to do, unless ``path`` loads as a tiny
+    autoencoder. Run before a pipeline is loaded for it: the panel's pipeline cache drops the last
+    pipeline first, and a bad path must cost nothing."""
+    from sd_accel.api import load_tiny_vae
+
+    choice = tiny_vae_choice(path)
+    if choice is None:
+        return
+    try:
+        load_tiny_vae(choice[len("tiny:"):])
+    except Exception as exc:  # whatever the file is, the field is what the user has to change
+        raise InvalidValue(f"The Tiny VAE (TAESD) field: {exc}. {TINY_VAE_HINT}") from exc
 
 
 # --------------------------------------------------------------------------- profiles from fields
@@ -118,6 +151,7 @@ class BuildRequest:
     components: tuple[str, ...] = DEFAULT_COMPONENTS
     backend: str | None = None
     precision: str | None = None
+    vae: str | None = None  # the Tiny VAE (TAESD) field: its vae_decoder / vae_encoder are built; None: the model's
 
 
 @dataclass
@@ -153,6 +187,8 @@ class GenerateRequest:
     precision: str | None = None
     offload: str = "none"
     engines: bool | str = True  # True / "cached", "auto", False / "off" (see ENGINE_MODES)
+    tiny_vae: str | None = None  # a TAESD path (see tiny_vae_choice); None or "": the model's own VAE
+    preview: str = "auto"  # live previews of generate_stream: one of PREVIEW_MODES
 
     def params(self) -> GenerationParams:
         """The request as a :class:`~sd_accel.generate.GenerationParams`, which checks every value.
@@ -197,11 +233,14 @@ class GenerateOutcome:
     usage: dict[str, str]
     summary: dict[str, Any]
     seed: int = 0  # the seed used (a drawn one when the request said -1)
+    vae: str | None = None  # AccelConfig.vae of the run ("tiny:PATH"), None: the model's own
 
     def report(self) -> str:
         """Markdown for the panel: time, it/s, then one row per component, "engine" or "torch"."""
         head = (f"**{self.seconds:.2f} s**, {self.it_per_s:.2f} it/s, {self.steps} steps, "
                 f"{self.unet_calls} UNet calls, {len(self.images)} image(s), seed {self.seed}")
+        if self.vae:
+            head += f"\n\nDecoded with the tiny VAE (TAESD) `{self.vae[len('tiny:'):]}`"
         rows = "\n".join(f"| {c} | {u} |" for c, u in self.usage.items())
         return f"{head}\n\n| component | ran on |\n|---|---|\n{rows}"
 
@@ -349,30 +388,101 @@ class PanelState:
     # ---- generation
 
     def generate(self, req: GenerateRequest) -> GenerateOutcome:
-        """Run one generation; raises :class:`Busy` while a build runs."""
-        from sd_accel import AccelConfig, stats
-        from sd_accel.generate import generate
+        """Run one generation (no previews); raises :class:`Busy` while a build runs."""
+        params, config = self._generation_config(req)
+        with self._lock:
+            return self._generate(req, params, config)
+
+    def generate_stream(self, req: GenerateRequest) -> Iterator[Preview | GenerateOutcome]:
+        """Run one generation in a worker thread: yields a :class:`~sd_accel.preview.Preview` every
+        few steps (``req.preview``; none when ``off``), then the :class:`GenerateOutcome`.
+
+        The request is checked here, before the first ``next``: a bad value raises at once. An
+        error of the run is raised by the iterator. Closing it early (the page went away) makes
+        the pipeline skip its remaining steps, so the lock is soon free again.
+        """
+        params, config = self._generation_config(req)
+        return self._stream(req, params, config)
+
+    def _generation_config(self, req: GenerateRequest):
+        """(GenerationParams, AccelConfig) of a request, every value checked, nothing loaded yet."""
+        from sd_accel import AccelConfig
 
         params = req.params()  # InvalidValue for a bad number, before any model is loaded
+        if req.preview not in PREVIEW_MODES:
+            raise InvalidValue(f"preview {req.preview!r} is not one of {', '.join(PREVIEW_MODES)}")
         if self.building:
             raise Busy("Engines are being built; generate when the build ends, or cancel it.")
-        engines = engines_setting(req.engines)
         config = AccelConfig(
             precision=req.precision or self.precision, attention=req.attention, offload=req.offload,
-            sampler=params.sampler, engines=engines, engine_dir=self.engine_dir,
-            backend=self.backend,
+            sampler=params.sampler, engines=engines_setting(req.engines), engine_dir=self.engine_dir,
+            backend=self.backend, vae=tiny_vae_choice(req.tiny_vae),
         )
-        with self._lock:
-            pipe = self.pipeline(req.model, config)
-            before = stats(pipe)
-            result = generate(pipe, params)
-            after = stats(pipe)
-        found = pipe.sd_accel.engines if engines else {}
+        if config.vae is not None and (req.model, _config_key(config)) not in self._pipes:
+            check_tiny_vae(req.tiny_vae)  # before pipeline() drops the last pipeline to make room
+        return params, config
+
+    def _generate(self, req: GenerateRequest, params: GenerationParams, config, on_preview=None,
+                  stop: threading.Event | None = None) -> GenerateOutcome:
+        """The run itself; the caller holds the lock. ``on_preview`` takes each Preview."""
+        from sd_accel import stats
+        from sd_accel.generate import generate
+        from sd_accel.preview import preview_callback, takes_step_callback
+
+        pipe = self.pipeline(req.model, config)
+        extra = {}
+        if on_preview is not None and takes_step_callback(pipe):
+            size = (params.width, params.height) if params.width and params.height else None
+            extra["callback_on_step_end"] = preview_callback(on_preview, mode=req.preview, steps=params.steps,
+                                                             size=size, stop=stop)
+        before = stats(pipe)
+        result = generate(pipe, params, extra)
+        after = stats(pipe)
+        found = pipe.sd_accel.engines if config.engines else {}
         return GenerateOutcome(
             images=result.images, seconds=result.seconds, it_per_s=result.it_per_s, steps=result.steps,
-            unet_calls=result.unet_calls, usage=usage_text(before, after, found, engines is not False),
-            summary=pipe.sd_accel.summary(), seed=result.seed,
+            unet_calls=result.unet_calls, usage=usage_text(before, after, found, config.engines is not False),
+            summary=pipe.sd_accel.summary(), seed=result.seed, vae=config.vae,
         )
+
+    def _stream(self, req: GenerateRequest, params: GenerationParams, config) -> Iterator[Preview | GenerateOutcome]:
+        events: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def work() -> None:  # owns the lock it was handed and releases it at the end
+            try:
+                events.put(("done", self._generate(req, params, config, events.put, stop)))
+            except BaseException as exc:  # raised again in the caller's thread, where the panel shows it
+                events.put(("error", exc))
+            finally:
+                self._lock.release()
+
+        self._lock.acquire()  # waits for a running generation, as generate() does
+        worker = threading.Thread(target=work, name="sd-accel-generate", daemon=True)
+        try:
+            worker.start()
+        except BaseException:
+            self._lock.release()
+            raise
+        try:
+            while True:
+                try:
+                    item = events.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if not worker.is_alive() and events.empty():  # died without a word (interpreter exit)
+                        raise RuntimeError("the generation stopped without a result; see the server log") from None
+                    continue
+                if isinstance(item, Preview):
+                    yield item
+                    continue
+                kind, payload = item
+                if kind == "error":
+                    raise payload
+                yield payload
+                return
+        finally:
+            if worker.is_alive():
+                stop.set()
 
     # ---- engines
 
@@ -402,11 +512,19 @@ class PanelState:
         return "Cancelling: the build stops at its next step and keeps nothing partial."
 
     def build(self, req: BuildRequest) -> Iterator[BuildUpdate]:
-        """Build engines in a worker thread, yielding progress until it ends (last update: done)."""
+        """Build engines in a worker thread, yielding progress until it ends (last update: done).
+
+        With ``req.vae`` (a TAESD path) the VAE components are the tiny autoencoder's, the
+        engines that a generation with the same Tiny VAE field uses."""
+        try:
+            check_tiny_vae(req.vae)
+        except InvalidValue as exc:
+            return iter([BuildUpdate(f"**Cannot build**: {exc}", 0.0, True, False)])
         return self._run_build(req, None)
 
-    def rebuild(self, name: str, model: str) -> Iterator[BuildUpdate]:
-        """Delete engine ``name`` and build it again (same component, profile, precision, backend).
+    def rebuild(self, name: str, model: str, vae: str | None = None) -> Iterator[BuildUpdate]:
+        """Delete engine ``name`` and build it again (same component, profile, precision, backend),
+        from ``model`` with the tiny VAE ``vae`` (a TAESD path) when given.
 
         Refuses (one update, ok=False) when the engine is not the given model's: rebuilding it
         from another model would silently replace it with a different one.
@@ -415,9 +533,11 @@ class PanelState:
         if record is None:
             return iter([BuildUpdate(f"No engine named `{name}`; refresh the table.", 0.0, True, False)])
         try:
+            check_tiny_vae(vae)
             req = self.rebuild_request(record, model)
         except ValueError as exc:
             return iter([BuildUpdate(f"Cannot rebuild: {exc}", 0.0, True, False)])
+        req.vae = req.vae or vae
         return self._run_build(req, record)
 
     def rebuild_request(self, record, model: str) -> BuildRequest:
@@ -475,8 +595,13 @@ class PanelState:
         An extension point: a host overrides this (the WebUI tab exports its loaded UNet here)
         and keeps the panel's locking, progress and cancel, which live around it."""
         from sd_accel import build_engines
+        from sd_accel.api import use_vae
 
         pipe = self.pipeline(req.model, None)
+        # The plain pipeline (what builds export from) gets the VAE this build asks for, and its own
+        # back for a build without one: the swap accelerate makes first, without its torch options,
+        # so the other components' weights (and fingerprints) stay those of every other build.
+        use_vae(pipe, tiny_vae_choice(req.vae))
         components, skipped = _components_of(pipe, req.components)
         if replace is not None:
             _check_same_model(pipe, replace)
