@@ -404,7 +404,7 @@ def load_model(cfg: BenchConfig):
     """The model, with the recipe's tiny autoencoder in place of its VAE (every row decodes with it:
     plain diffusers too, as a diffusers user sets ``pipe.vae = AutoencoderTiny...``)."""
     from sd_accel import load_pipeline
-    from sd_accel.optimize.vae_choice import use_vae
+    from sd_accel.api import use_vae
 
     pipe = load_pipeline(cfg.model)
     pipe.set_progress_bar_config(disable=True)

@@ -107,3 +107,27 @@ def test_the_text_encoder_is_saved_with_the_prefix_older_transformers_need(tmp_p
         assert torch.equal(f.get_tensor("text_model.embeddings.token_embedding.weight"),
                            weights["embeddings.token_embedding.weight"])
     assert prefix_text_encoder(te) is False  # already prefixed: left alone
+
+
+def test_a_cfg_0_unet_is_reshaped_to_one_row_per_image():
+    """optimum-intel's ``reshape`` gives a UNet without ``timestep_cond`` two rows per image (CFG);
+    at CFG 0 (SD-Turbo) diffusers calls it with one, which a static two-row model refuses:
+    ``unet_rows`` makes it one row, leaving the timestep alone."""
+    ov = pytest.importorskip("openvino")
+    from types import SimpleNamespace
+
+    import openvino.opset13 as ops
+
+    params = {}
+    for name, shape in (("sample", [2, 4, 8, 8]), ("timestep", [1]), ("encoder_hidden_states", [2, 77, 16])):
+        params[name] = ops.parameter(shape, ov.Type.f32, name=name)
+        params[name].output(0).get_tensor().set_names({name})
+    text = ops.unsqueeze(ops.reduce_mean(params["encoder_hidden_states"], [1, 2], keep_dims=False), [1, 2, 3])
+    out = ops.add(ops.add(params["sample"], text), params["timestep"])
+    model = ov.Model([out], list(params.values()))
+    pipe = SimpleNamespace(unet=SimpleNamespace(model=model))
+    script = load("bench_optimum")
+    script.unet_rows(pipe, 1)
+    shapes = {i.get_any_name(): i.get_partial_shape().to_shape() for i in model.inputs}
+    assert shapes == {"sample": [1, 4, 8, 8], "timestep": [1], "encoder_hidden_states": [1, 77, 16]}
+    assert script._unet_rows_now(pipe) == "[1,4,8,8]"
