@@ -116,7 +116,9 @@ def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
     if auto:
         from sd_accel.autobuild import AutoBuilder
 
-        builder = AutoBuilder(pipe, cache, backend, _build_precision(backend, config.engine_precision))
+        # the backend's default precision may give way to fp32 where it misses its check; one asked for may not
+        builder = AutoBuilder(pipe, cache, backend, _build_precision(backend, config.engine_precision),
+                              fallback_precision="fp32" if config.engine_precision is None else None)
     found = swap_engines(pipe, cache, backend, fallback=config.engine_fallback,
                          prefer_precision=config.engine_precision, builder=builder)
     if auto:

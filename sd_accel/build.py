@@ -17,7 +17,7 @@ from typing import Any
 
 from sd_accel.backends.registry import check_precision, get_backend
 from sd_accel.cache.key import EngineKey
-from sd_accel.core import BuildCancelled, EngineError, InvalidValue, Progress
+from sd_accel.core import BuildCancelled, InvalidValue, Progress, ValidationFailed
 from sd_accel.profiles import Profile, default_preset
 from sd_accel.profiles import preset as preset_profile
 
@@ -251,7 +251,7 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
             if result is None or result.ok:
                 break
             if attempt == len(scopes):
-                raise EngineError(
+                raise ValidationFailed(
                     f"engine {key.name} failed validation: {result.why}. It was not kept; try a "
                     "narrower profile or fp32."
                 )

@@ -44,7 +44,8 @@ class AccelConfig:
       on it; later calls of that shape reuse it. Each component is built on its own first
       uncovered call, each shape at most once: a failed build is remembered and that shape
       runs torch, with the reason in ``stats``. Builds use ``engine_precision`` when the backend
-      builds it without calibration data, else the backend's default precision.
+      builds it without calibration data, else the backend's default precision, and fp32 where an
+      engine of that default misses its accuracy check (said in the log).
     - ``engine_precision``: when engines of several precisions cover a call (an ``int8`` and a
       ``bf16`` UNet, say), use this one first; components without an engine of that precision
       use the others. ``None``: static engines first, then the nearest profile, then the faster

@@ -160,6 +160,10 @@ class EngineFault(EngineError):
     error (out of memory, a refused call) only skips it for that call."""
 
 
+class ValidationFailed(EngineError):
+    """An engine was built but missed its accuracy check against torch; it was not kept."""
+
+
 class BuildCancelled(EngineError):
     """A build was cancelled; nothing partial was left in the cache."""
 

@@ -205,8 +205,9 @@ def test_panel_engines_dropdown_auto_builds_and_reports_it(tmp_path):
     demo = build_panel(state)
     fns = demo.fns.values() if isinstance(demo.fns, dict) else demo.fns  # dict on Gradio >= 4
     on_generate = next(f.fn for f in fns if getattr(f.fn, "__name__", "") == "on_generate")
-    images, report = on_generate("builtin:tiny-sd15", "a cat", "", "Euler", 2, 7.0, 64, 64, 1, 0, "auto", "fp32",
-                                 "none", "auto")
+    # (a generator since the live preview: off here, so its one answer is the result)
+    [(images, report)] = list(on_generate("builtin:tiny-sd15", "a cat", "", "Euler", 2, 7.0, 64, 64, 1, 0, "auto",
+                                          "fp32", "none", "auto", "", "off"))
     assert len(images) == 1 and "| unet | engine (2 calls), 1 engine built first |" in report
     again = state.generate(GenerateRequest(prompt="a cat", width=64, height=64, steps=2, sampler="Euler",
                                            engines="auto"))
@@ -218,3 +219,34 @@ def test_panel_engines_dropdown_auto_builds_and_reports_it(tmp_path):
     assert off.usage == {"all": "torch (engines off)"}
     with pytest.raises(InvalidValue, match="engines 'sometimes'"):
         state.generate(GenerateRequest(prompt="a cat", engines="sometimes"))
+
+
+@pytest.mark.slow
+def test_a_default_precision_engine_that_misses_its_check_is_built_in_fp32(tmp_path, monkeypatch, caplog):
+    """OpenVINO's default precision is bf16 on CPUs that have it; where a bf16 engine misses its
+    accuracy check (a random LCM UNet at 512 px did, issue 29), ``engines="auto"`` builds fp32
+    instead of leaving the component in torch. A precision the caller asked for is not replaced."""
+    import sd_accel.validate as validate
+    from sd_accel.backends.registry import get_backend
+
+    pytest.importorskip("openvino")
+    if get_backend("openvino").default_precision() != "bf16":
+        pytest.skip("OpenVINO's default here is not bf16 (this CPU has neither AVX512-BF16 nor AMX)")
+    monkeypatch.setitem(validate.TOLERANCE, "bf16", 0.0)  # every bf16 engine now misses the check, for real
+    pipe = accelerate(load_pipeline("builtin:tiny-sd15"),
+                      AccelConfig(engines="auto", engine_dir=str(tmp_path / "a"), backend="openvino", precision="fp32"))
+    with caplog.at_level("WARNING", logger="sd_accel"):
+        generate(pipe)
+    records = {r.key.component: r for r in EngineCache(tmp_path / "a").list()}
+    assert {records[c].key.precision for c in ("clip", "unet", "vae_decoder")} == {"fp32"}
+    assert "the bf16 engine missed its accuracy check" in caplog.text and "building fp32 instead" in caplog.text
+    s = stats(pipe)["unet"]
+    assert s["engine_calls"] > 0 and s["torch_calls"] == 0
+
+    asked = accelerate(load_pipeline("builtin:tiny-sd15"),
+                       AccelConfig(engines="auto", engine_dir=str(tmp_path / "b"), backend="openvino",
+                                   precision="fp32", engine_precision="bf16", engine_fallback=True))
+    generate(asked, steps=1)
+    s = stats(asked)["unet"]
+    assert s["engine_calls"] == 0 and s["torch_calls"] > 0 and any("failed validation" in r for r in s["fallbacks"])
+    assert not EngineCache(tmp_path / "b").list()
