@@ -496,6 +496,38 @@ def test_service_controlnet_runs_on_engines_and_its_routes_list_the_models(sd15_
     assert bad.status_code == 422 and "canny preprocessor" in bad.json()["detail"]
 
 
+@pytest.mark.slow
+def test_service_build_missing_builds_the_controlnets_of_its_folder(controlnet_dir, tmp_path):
+    """``--build-missing`` with ``controlnet_dir``: each ControlNet's engine and the residual UNet's
+    are built before traffic (a file that is no ControlNet is skipped), so a request's units run
+    on engines from its first call, nothing built then."""
+    import asyncio
+
+    from sd_accel import EngineCache
+    from sd_accel.serve.config import ServeConfig
+    from sd_accel.serve.controlnet_units import parse_controlnet_units
+    from sd_accel.serve.deployment import _build_task
+
+    folder = tmp_path / "nets"
+    folder.mkdir()
+    (folder / "cn.safetensors").symlink_to(controlnet_dir / "cn.safetensors")
+    (folder / "broken.safetensors").write_bytes(b"not a safetensors file")
+    config = ServeConfig(model="builtin:tiny-sd15", controlnet_dir=str(folder), engine_dir=str(tmp_path / "e"),
+                         accel={"backend": "onnxruntime", "precision": "fp32"}, max_batch_size=2,
+                         build_profiles=[{"batch": [1, 1, 2], "height": 64, "width": 64}])
+    names, _ = _build_task(config.to_dict())
+    built = sorted(r.key.component for r in EngineCache(tmp_path / "e").list())
+    assert built == ["clip", "controlnet", "unet", "unet_control", "vae_decoder", "vae_encoder"], built
+    assert len(names) == len(built)
+    replica = _replica(folder, engines=True, backend="onnxruntime", engine_dir=str(tmp_path / "e"))
+    units = [u.to_dict() for u in parse_controlnet_units({"controlnet": {"args": [_unit_args()]}})]
+    asyncio.run(replica.generate({"prompt": "a cat", "steps": 2, "cfg": 7.0, "width": 64, "height": 64, "seed": 1,
+                                  "batch": 1, "controlnet": units}))
+    used = stats(replica.control_pipe(("cn",)))
+    assert used["controlnet"]["engine_calls"] == 2 and used["controlnet"]["torch_calls"] == 0
+    assert used["unet_control"]["engine_calls"] == 2 and used["unet_control"]["torch_calls"] == 0
+
+
 def json_info(answer) -> dict:
     import json
 

@@ -60,7 +60,8 @@ class ServeConfig:
       (new ones get 503 at once; those still running after it get 503).
     - ``build_missing``: build the engines (``build_preset`` or ``build_profiles``, at
       ``build_precision``; by default the family's preset with batch 1 to ``max_batch_size``)
-      once before traffic, on a node of the replicas' kind.
+      once before traffic, on a node of the replicas' kind; each ControlNet of
+      ``controlnet_dir`` too, with the UNet that takes their residuals.
     - ``address``: the Ray cluster to join (default ``$RAY_ADDRESS``, else a local Ray).
     - ``controlnet_dir``: a folder of ControlNets (single files or diffusers folders) that requests
       name in ``alwayson_scripts.controlnet`` (sd-webui-controlnet's API), by file or folder name.

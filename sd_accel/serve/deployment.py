@@ -172,25 +172,30 @@ def build_application(config: ServeConfig):
 
 
 def _build_task(data: dict[str, Any]) -> tuple[list[str], int]:
-    """Runs on a Ray worker with a replica's resources: build the engines that are missing.
-    Returns their names and the worker's pid."""
-    from sd_accel import build_engines, load_pipeline
+    """Runs on a Ray worker with a replica's resources: build the engines that are missing, the
+    ControlNets of ``controlnet_dir`` and the UNet that takes their residuals included (a request's
+    units then run on engines from its first call). Returns their names and the worker's pid."""
+    from sd_accel import build_engines, load_pipeline, with_controlnets
+    from sd_accel.serve.controlnet_units import controlnet_files
 
     config = ServeConfig.from_dict(data)
     if config.num_cpus:
         os.environ.setdefault("SD_ACCEL_ORT_THREADS", str(max(1, int(config.num_cpus))))
     pipe = load_pipeline(config.model, allow_pickle=config.allow_pickle)
     profiles = build_profiles_for(config, pipe)
-    records = build_engines(
-        pipe,
-        preset=config.build_preset if profiles is None else None,
-        profiles=profiles,
-        backend=config.accel.backend,
-        precision=config.build_precision,
-        engine_dir=config.engine_dir,
-        progress=False,
-    )
-    return [r.name for r in records], os.getpid()
+    common = dict(preset=config.build_preset if profiles is None else None, profiles=profiles,
+                  backend=config.accel.backend, precision=config.build_precision, engine_dir=config.engine_dir,
+                  progress=False)
+    names = [r.name for r in build_engines(pipe, **common)]
+    for label, path in controlnet_files(config.controlnet_dir).items():
+        try:
+            control = with_controlnets(pipe, [str(path)], allow_pickle=config.allow_pickle)
+        except Exception as exc:  # a file that does not load fails its requests, not the service
+            log.warning("sd-accel serve: ControlNet %s not built: %s", label, exc)
+            continue
+        # (the residual UNet is the same for every ControlNet: built once, then found in the cache)
+        names += [r.name for r in build_engines(control, components=["controlnet", "unet_control"], **common)]
+    return list(dict.fromkeys(names)), os.getpid()
 
 
 def build_profiles_for(config: ServeConfig, pipe) -> list[dict[str, Any]] | None:
