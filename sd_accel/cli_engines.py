@@ -77,7 +77,9 @@ def _ctrl_c_cancels() -> Iterator[threading.Event]:
         print("sd-accel: stopping the build after its current step (Ctrl-C again to stop now)",
               file=sys.stderr, flush=True)
 
-    main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    # signal handlers live in the main thread only; a process started with Ctrl-C ignored (a shell's
+    # background job, nohup) keeps ignoring it, as POSIX tools do: the build then runs to its end
+    main = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
     previous = signal.signal(signal.SIGINT, on_sigint) if main else None
     try:
         yield cancel

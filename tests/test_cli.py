@@ -173,16 +173,17 @@ def test_build_bad_model_and_bad_ranges(tmp_path):
     assert "MIN-OPT-MAX" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow
-def test_ctrl_c_during_build_leaves_no_partial_engine_or_lock(tmp_path):
+def _build_interrupted_at_second_engine(engines, sigint) -> tuple[subprocess.Popen, str]:
+    """``sd-accel build`` started with SIGINT set to ``sigint`` (SIG_DFL: a terminal's; SIG_IGN: a
+    shell's background job), sent SIGINT once its second engine is being built."""
     import signal
     import time
 
-    engines = tmp_path / "engines"
     proc = subprocess.Popen(
         [sys.executable, "-m", "sd_accel.cli", "build", "--static", "--height", "64", "--width", "64",
          "--engine-dir", str(engines)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),  # whatever this test run itself was started with
     )
     seen = ""
     deadline = time.time() + 300
@@ -195,8 +196,26 @@ def test_ctrl_c_during_build_leaves_no_partial_engine_or_lock(tmp_path):
             proc.send_signal(signal.SIGINT)
             break
     rest, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 130, seen + rest
-    assert "interrupted" in rest
+    return proc, seen + rest
+
+
+@pytest.mark.slow
+def test_a_build_started_with_ctrl_c_ignored_runs_to_its_end(tmp_path):
+    import signal
+
+    proc, out = _build_interrupted_at_second_engine(tmp_path / "engines", signal.SIG_IGN)
+    assert proc.returncode == 0 and "interrupted" not in out and "4 engine(s) ready" in out, out
+    assert len(_json(sd_accel("list", "--engine-dir", str(tmp_path / "engines"), "--json"))["engines"]) == 4
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_build_leaves_no_partial_engine_or_lock(tmp_path):
+    import signal
+
+    engines = tmp_path / "engines"
+    proc, out = _build_interrupted_at_second_engine(engines, signal.SIG_DFL)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
     names = [p.name for p in engines.iterdir()]
     assert not [n for n in names if n.startswith((".tmp", ".trash"))]
     listed = _json(sd_accel("list", "--engine-dir", str(engines), "--json"))
