@@ -532,3 +532,19 @@ def json_info(answer) -> dict:
     import json
 
     return json.loads(answer.json()["info"])
+
+
+@pytest.mark.parametrize("nets", [1, 2])
+def test_attention_option_reaches_every_controlnet(nets):
+    """attention='sliced' (or xFormers) is set on the ControlNets as on the UNet: before, they kept
+    diffusers' default processor whatever was asked."""
+    from diffusers.models.attention_processor import SlicedAttnProcessor
+
+    pipe = accelerate(control_pipe(nets=nets), precision="fp32", attention="sliced")
+    control = pipe.controlnet
+    modules = list(getattr(control, "nets", [control]))
+    assert len(modules) == nets
+    for net in modules:
+        assert {type(p) for p in net.attn_processors.values()} == {SlicedAttnProcessor}
+    assert {type(p) for p in pipe.unet.attn_processors.values()} == {SlicedAttnProcessor}
+    assert np.isfinite(run(pipe, image=[hint(3 + i) for i in range(nets)] if nets > 1 else hint())).all()

@@ -53,18 +53,28 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     return requested
 
 
+def _attention_modules(pipe) -> list:
+    """The modules of ``pipe`` with attention layers: UNet, VAE and every ControlNet (a
+    ``MultiControlNetModel`` holds its nets in ``nets``)."""
+    control = getattr(pipe, "controlnet", None)
+    nets = list(getattr(control, "nets", None) or ([control] if control is not None else []))
+    # A module without attention layers (the tiny autoencoder, TAESD) has nothing to set.
+    return [m for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None), *nets)
+            if m is not None and hasattr(m, "set_attn_processor")]
+
+
 def apply_attention(pipe, backend: str) -> None:
-    """Set one attention backend on every attention layer of the UNet and VAE."""
+    """Set one attention backend on every attention layer of the UNet, the VAE and the ControlNets."""
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    # A module without attention layers (the tiny autoencoder, TAESD) has nothing to set.
-    modules = [m for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None))
-               if m is not None and hasattr(m, "set_attn_processor")]
+    modules = _attention_modules(pipe)
     for module in modules:
         if backend == "xformers":
             module.enable_xformers_memory_efficient_attention()
         else:
             module.set_attn_processor(AttnProcessor2_0())
-    if backend == "sliced" and getattr(pipe, "unet", None) is not None:
-        pipe.unet.set_attention_slice("auto")
+    if backend == "sliced":
+        for module in modules:
+            if module is not getattr(pipe, "vae", None) and hasattr(module, "set_attention_slice"):
+                module.set_attention_slice("auto")
     log.info("attention backend: %s", backend)
