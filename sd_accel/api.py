@@ -31,6 +31,7 @@ from sd_accel.models.hints import preprocess as control_hint
 from sd_accel.models.load import ModelInfo, load_pipeline
 from sd_accel.models.taesd import load_tiny_vae
 from sd_accel.optimize.attention import apply_attention, resolve_attention
+from sd_accel.optimize.memory_format import apply_memory_format
 from sd_accel.optimize.offload import apply_offload, apply_vae_memory
 from sd_accel.optimize.precision import install_vae_guard, resolve_precision, vae_dtype_for
 from sd_accel.optimize.vae_choice import use_vae
@@ -55,6 +56,7 @@ class AccelState:
     second_order: bool
     offload_active: bool
     engines: dict[str, int] = field(default_factory=dict)
+    memory_format: str = "contiguous"  # "channels_last": convolutions in NHWC (CUDA, half precision)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -64,6 +66,7 @@ class AccelState:
             "attention": self.attention,
             "sampler": self.sampler,
             "offload": self.config.offload if self.offload_active else "none",
+            "memory_format": self.memory_format,
             "engines": self.engines,
         }
 
@@ -238,6 +241,7 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
     if not offload_active:
         pipe.to(device)
     apply_attention(pipe, attention)
+    memory_format = apply_memory_format(pipe, device, dtype)
     apply_vae_memory(pipe, config.vae_slicing, config.vae_tiling)
     if vae is not None:
         install_vae_guard(vae, config.nan_check)
@@ -260,6 +264,7 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
         second_order=bool(preset and preset.second_order),
         offload_active=offload_active,
         engines=engines_found,
+        memory_format=memory_format,
     )
     pipe.sd_accel = state
     log.info("accelerated: %s", state.summary())

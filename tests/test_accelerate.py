@@ -200,3 +200,29 @@ def test_cuda_device_without_cuda_is_a_clear_error(tiny_sd15):
         pytest.skip("this machine has CUDA; the error is for machines without it")
     with pytest.raises(RuntimeError, match="no CUDA device"):
         accelerate(fresh(tiny_sd15), device="cuda")
+
+
+def test_channels_last_on_cuda_half_only_and_undone(tiny_sd15):
+    """On CUDA in fp16/bf16 the UNet and VAE convolutions go channels-last (cuDNN's half layout;
+    measured on an H200); a later accelerate for another device or precision puts them back. The
+    layout is set by the same function accelerate calls, here on CPU tensors (no GPU on CI)."""
+    from sd_accel.optimize.memory_format import apply_memory_format, wants_channels_last
+
+    last = torch.channels_last
+    assert wants_channels_last(torch.device("cuda"), torch.float16)
+    assert wants_channels_last(torch.device("cuda:1"), torch.bfloat16)
+    assert not wants_channels_last(torch.device("cuda"), torch.float32)
+    assert not wants_channels_last(torch.device("cpu"), torch.bfloat16)
+
+    pipe = fresh(tiny_sd15)
+    weights = (pipe.unet.conv_in.weight, pipe.vae.decoder.conv_in.weight)
+    assert not any(w.is_contiguous(memory_format=last) for w in weights)
+    assert apply_memory_format(pipe, torch.device("cuda"), torch.float16) == "channels_last"
+    assert pipe.unet.conv_in.weight.is_contiguous(memory_format=last)
+    assert pipe.vae.decoder.conv_in.weight.is_contiguous(memory_format=last)
+    before = run(accelerate(fresh(tiny_sd15), precision="fp32"))
+    assert np.abs(run(pipe) - before).max() < 1e-4  # the same model, another layout
+    pipe = accelerate(pipe, precision="fp32")  # CPU: back to the default layout
+    assert pipe.sd_accel.summary()["memory_format"] == "contiguous"
+    assert pipe.unet.conv_in.weight.is_contiguous()
+    assert not pipe.vae.decoder.conv_in.weight.is_contiguous(memory_format=last)
