@@ -251,10 +251,12 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
             if result is None or result.ok:
                 break
             if attempt == len(scopes):
-                raise ValidationFailed(
-                    f"engine {key.name} failed validation: {result.why}. It was not kept; try a "
-                    "narrower profile or fp32."
-                )
+                tried = ", ".join(s for s in scopes if s)
+                way_out = ("try a narrower profile or fp32" if precision != "int8" else
+                           f"int8 missed it{f' in every scope tried ({tried})' if tried else ''} on this "
+                           f"machine: build {spec.name} in {be.default_precision()} "
+                           f"(precision='{be.default_precision()}')")
+                raise ValidationFailed(f"engine {key.name} failed validation: {result.why}. It was not kept; {way_out}.")
             log.warning("%s: int8 with the %s scope failed validation (%s); quantizing again with the "
                         "%s scope, which keeps more layers in float", spec.name, scope, result.why, scopes[attempt])
             tick(0.4, f"int8 ({scope} scope) failed its check; quantizing again ({scopes[attempt]} scope)")
