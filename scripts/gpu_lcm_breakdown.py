@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import os
 import sys
@@ -36,21 +35,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_torch_check import CUDA, DEVICE, free, sync  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 PROMPT = "a photo of a cat"
-
-
-def sync() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-def free() -> None:
-    gc.collect()
-    if CUDA:
-        torch.cuda.empty_cache()
 
 
 def torch_flags() -> dict:

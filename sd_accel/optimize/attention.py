@@ -53,14 +53,17 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     return requested
 
 
-def _attention_modules(pipe) -> list:
-    """The modules of ``pipe`` with attention layers: UNet, VAE and every ControlNet (a
-    ``MultiControlNetModel`` holds its nets in ``nets``)."""
+def denoising_modules(pipe) -> list:
+    """The pipeline's UNet, VAE and every ControlNet (a ``MultiControlNetModel`` holds its nets in
+    ``nets``), those it has: what the torch-level options (attention, memory layout) apply to."""
     control = getattr(pipe, "controlnet", None)
     nets = list(getattr(control, "nets", None) or ([control] if control is not None else []))
+    return [m for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None), *nets) if m is not None]
+
+
+def _attention_modules(pipe) -> list:
     # A module without attention layers (the tiny autoencoder, TAESD) has nothing to set.
-    return [m for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None), *nets)
-            if m is not None and hasattr(m, "set_attn_processor")]
+    return [m for m in denoising_modules(pipe) if hasattr(m, "set_attn_processor")]
 
 
 def apply_attention(pipe, backend: str) -> None:

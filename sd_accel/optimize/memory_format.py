@@ -23,13 +23,10 @@ _MARK = "_sd_accel_channels_last"
 
 def conv_modules(pipe) -> list[torch.nn.Module]:
     """The pipeline's modules with 2-D convolutions: UNet, VAE (or TAESD) and every ControlNet."""
-    control = getattr(pipe, "controlnet", None)
-    nets = list(getattr(control, "nets", None) or ([control] if control is not None else []))
-    found = []
-    for module in (getattr(pipe, "unet", None), getattr(pipe, "vae", None), *nets):
-        if isinstance(module, torch.nn.Module) and any(isinstance(m, torch.nn.Conv2d) for m in module.modules()):
-            found.append(module)
-    return found
+    from sd_accel.optimize.attention import denoising_modules
+
+    return [module for module in denoising_modules(pipe) if isinstance(module, torch.nn.Module)
+            and any(isinstance(m, torch.nn.Conv2d) for m in module.modules())]
 
 
 def wants_channels_last(device: torch.device, dtype: torch.dtype) -> bool:
