@@ -37,17 +37,20 @@ def comfy_lean(monkeypatch, caplog):
 
 CUSTOM = "custom (ranges below)"
 BUILD = dict(components="unet+vae_decoder+vae_encoder", preset=CUSTOM, backend="onnxruntime", precision="fp32",
-             batch="1", height="64", width="64", tokens="77")
+             batch="1", height="64", width="64", tokens="77-154")
+EVERYTHING = "unet+unet_control+clip+vae_decoder+vae_encoder"
 
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
-    """Engines for the tiny checkpoint (UNet 64 px batch 1 with CFG, VAE halves), built once by the node."""
+    """Engines for the tiny checkpoint (UNet 64 px batch 1 with CFG, plain and residual-taking; the
+    text encoder for prompts of up to 2 chunks; VAE halves), built once by the node."""
     tmp = tmp_path_factory.mktemp("comfy-engines")
     comfy = harness.start(tmp, tmp / "engines")
-    model, _, vae = comfy.load()
-    applied, report = comfy.node("SdAccelBuildEngines").build(model, vae=vae, **BUILD)
-    assert report.count("\n") == 2, report  # three engines
+    model, clip, vae = comfy.load()
+    applied, report = comfy.node("SdAccelBuildEngines").build(model, vae=vae, clip=clip,
+                                                              **{**BUILD, "components": EVERYTHING})
+    assert report.count("\n") == 4, report  # five engines
     assert comfy.utils.UPDATES and comfy.utils.UPDATES[-1][0] == comfy.utils.UPDATES[-1][1]  # the bar reached its end
     harness.purge()
     return tmp / "engines"
@@ -117,7 +120,10 @@ def test_engines_serve_txt2img_keyed_like_the_webui(tmp_path, engine_dir, caplog
     from sd_accel.comfyui.state import state
 
     records = state().cache().list()
-    assert {r.key.model for r in records} == {weights_id(sha)}  # the WebUI's id for the same file
+    # the WebUI's id for the same file; the text encoder's is that plus its name
+    assert {r.key.model for r in records} == {weights_id(sha), weights_id(sha) + ".clip_l"}
+    assert {r.key.component for r in records} == {"ldm_unet", "ldm_unet_control", "comfy_clip", "ldm_vae_decoder",
+                                                  "ldm_vae_encoder"}
     unet_record = next(r for r in records if r.key.component == "ldm_unet")
     assert unet_record.extra["webui"]["hash"] == sha and unet_record.extra["webui"]["host"] == "comfyui"
 
@@ -189,16 +195,16 @@ def test_patches_controlnet_and_wrappers_run_torch_by_name(tmp_path, engine_dir,
     assert "0 on engines, 2 in PyTorch" in report and "output_block_patch" in report
     assert "test_patches_controlnet_and_wrappers_run_torch_by_name.output_block_patch" in report
 
-    class ControlNet:
+    class T2IAdapter:  # adds to the input blocks: not in the residual-taking engine
         previous_controlnet = None
 
         def get_control(self, x, t, cond, batch):
-            return {"output": [torch.full_like(x, 0.01)], "middle": [], "input": []}
+            return {"output": [], "middle": [], "input": [torch.full_like(x[:, :1], 0.01)]}
 
     caplog.clear()
-    comfy.sample(engines, clip, control=ControlNet())
+    comfy.sample(engines, clip, control=T2IAdapter())
     report = _unet_calls(caplog)
-    assert "0 on engines, 2 in PyTorch" in report and "ControlNet residuals (ControlNet)" in report
+    assert "0 on engines, 2 in PyTorch" in report and "T2I-Adapter residuals (control input)" in report
 
     def other_pack_wrapper(executor, *args, **kwargs):
         return executor(*args, **kwargs)
@@ -208,6 +214,112 @@ def test_patches_controlnet_and_wrappers_run_torch_by_name(tmp_path, engine_dir,
     caplog.clear()
     comfy.sample(wrapped, clip)
     assert "other UNet wrappers" in _unet_calls(caplog) and "other_pack_wrapper" in _unet_calls(caplog)
+
+
+def _controlnet(comfy, model, seed=5, strength=1.0, size=64, **kw):
+    from comfy.controlnet import ControlNet
+
+    hint = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(seed))
+    return ControlNet(model.model.diffusion_model, hint, strength=strength, seed=seed, **kw)
+
+
+@pytest.mark.slow
+def test_controlnet_residuals_run_on_the_residual_taking_engine(tmp_path, engine_dir, caplog):
+    comfy = harness.start(tmp_path, engine_dir)
+    model, clip, _ = comfy.load()
+    engines = comfy.node("SdAccelApplyEngines").apply(model)[0]
+    plain = comfy.sample(model, clip)
+    net = _controlnet(comfy, model)
+    reference = comfy.sample(model, clip, control=net)
+    assert (reference - plain).abs().max() > 1e-2  # the ControlNet is in the image
+    caplog.clear()
+    torch.testing.assert_close(comfy.sample(engines, clip, control=net), reference, atol=2e-3, rtol=2e-3)
+    assert _unet_calls(caplog).startswith("sd-accel: UNet calls this run: 2 on engines, 0 in PyTorch (2 with ControlNet")
+
+    # Two chained nets at other strengths, the second on for the first step only (start/end):
+    # one engine serves both, and the step where no net is on runs the plain engine.
+    first_sigma = float(model.model.model_sampling.sigmas[999])
+    chained = _controlnet(comfy, model, seed=6, strength=0.6, sigma_range=(first_sigma - 1e-3, first_sigma + 1e-3),
+                          previous=_controlnet(comfy, model, strength=0.8, sigma_range=(first_sigma - 1e-3, 1e9)))
+    caplog.clear()
+    got = comfy.sample(engines, clip, control=chained)
+    torch.testing.assert_close(got, comfy.sample(model, clip, control=chained), atol=2e-3, rtol=2e-3)
+    assert "2 on engines, 0 in PyTorch (1 with ControlNet residuals)" in _unet_calls(caplog)
+
+    # A LoRA after the engines: both UNet engines refitted, never stale.
+    lora = comfy.sd.lora_for(model, seed=3)
+    torch_lora, _ = comfy.sd.load_lora_for_models(model, clip, lora, 0.7, 0.7)
+    engine_lora, _ = comfy.sd.load_lora_for_models(engines, clip, lora, 0.7, 0.7)
+    caplog.clear()
+    got = comfy.sample(engine_lora, clip, control=net)
+    torch.testing.assert_close(got, comfy.sample(torch_lora, clip, control=net), atol=2e-3, rtol=2e-3)
+    assert "2 on engines, 0 in PyTorch (2 with ControlNet residuals)" in _unet_calls(caplog)
+
+
+def test_controlnet_without_a_residual_engine_runs_torch_and_says_how_to_build_it(tmp_path, caplog):
+    comfy = harness.start(tmp_path)
+    model, clip, vae = comfy.load()
+    comfy.node("SdAccelBuildEngines").build(model, **{**BUILD, "components": "unet"})
+    engines = comfy.node("SdAccelApplyEngines").apply(model)[0]
+    net = _controlnet(comfy, model)
+    torch.testing.assert_close(comfy.sample(engines, clip, control=net), comfy.sample(model, clip, control=net))
+    report = _unet_calls(caplog)
+    assert "0 on engines, 2 in PyTorch" in report and "ControlNet residuals (ControlNet)" in report
+    assert "components with unet_control" in report
+    caplog.clear()
+    comfy.sample(engines, clip)  # without the ControlNet: the plain engine
+    assert "2 on engines, 0 in PyTorch" in _unet_calls(caplog)
+
+
+def _cond(conditioning):
+    (cond, extra), = conditioning
+    return cond, extra["pooled_output"]
+
+
+@pytest.mark.slow
+def test_clip_text_encode_on_engines(tmp_path, engine_dir, caplog):
+    comfy = harness.start(tmp_path, engine_dir)
+    _, clip, _ = comfy.load()
+    node = comfy.node("SdAccelCLIPTextEncode")
+    assert comfy.names["SdAccelCLIPTextEncode"] == "sd-accel CLIP Text Encode"
+    assert node.RETURN_TYPES == ("CONDITIONING",)
+    transformer = clip.cond_stage_model.clip_l.transformer
+
+    def both(c, text):
+        with torch.inference_mode():
+            mine = _cond(node.encode(c, text)[0])
+            theirs = _cond(c.encode_from_tokens_scheduled(c.tokenize(text)))
+        for a, b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+        assert "forward" not in transformer.__dict__  # its own forward back
+        return mine
+
+    cond, pooled = both(clip, "a photo of a cat")
+    assert cond.shape == (1, 77, 64) and pooled.shape == (1, 64)
+    assert "text encoder clip_l calls: 1 on engines, 0 in PyTorch" in caplog.text
+
+    skip = clip.clone()
+    skip.clip_layer(-2)  # CLIPSetLastLayer: the penultimate layer, from the engine's hidden states
+    assert (both(skip, "a photo of a cat")[0] - cond).abs().max() > 1e-2
+
+    caplog.clear()
+    long = both(clip, " ".join(f"word{i}" for i in range(120)))[0]  # two chunks, one engine call
+    assert long.shape == (1, 154, 64) and "clip_l calls: 1 on engines" in caplog.text
+
+    clip.embeddings = {"mine": torch.randn(2, 64, generator=torch.Generator().manual_seed(1)) * 0.02}
+    with_embedding = both(clip, "a photo of embedding:mine")[0]  # textual inversion: vectors spliced in
+    assert (with_embedding - both(clip, "a photo of x y")[0]).abs().max() > 1e-3
+
+    # A LoRA's text-encoder patches: PyTorch (said once), the patched result, never the engine's.
+    caplog.clear()
+    _, patched = comfy.sd.load_lora_for_models(comfy.load()[0], clip, comfy.sd.clip_lora_for(clip, seed=2), 1.0, 1.0)
+    lora_cond = both(patched, "a photo of a cat")[0]
+    assert (lora_cond - cond).abs().max() > 1e-2
+    assert "clip_l carries LoRA patches: it runs in PyTorch" in caplog.text
+    assert "clip_l calls" not in caplog.text
+    caplog.clear()
+    torch.testing.assert_close(both(clip, "a photo of a cat")[0], cond)  # the plain CLIP again: the engine
+    assert "clip_l calls: 1 on engines" in caplog.text
 
 
 def test_patch_sets_name_each_lora_and_strength(tmp_path):

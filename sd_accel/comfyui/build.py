@@ -5,7 +5,11 @@ way the sampler loads it (``comfy.model_management.load_models_gpu``), so the pa
 LoRA loader in front of the node are in the weights, and the engine is keyed by the
 checkpoint's id plus that patch set (an engine of its own for those patches; the usual way is
 to build from the plain MODEL and let LoRAs refit it). The VAE's decoder and encoder are the
-LDM ones the WebUI has, exported by the same specs. Each record keeps the WebUI's facts (its
+LDM ones the WebUI has, exported by the same specs. ``unet_control`` is the same UNet taking
+ControlNet residuals as inputs (:mod:`sd_accel.components.ldm_control_unet`), what ComfyUI's
+ControlNet apply nodes need; ``clip`` is each of the CLIP's text encoders
+(:mod:`sd_accel.components.comfy_clip`), keyed ``ckpt-<hash>.clip_l`` and so on. Each record
+keeps the WebUI's facts (its
 ``webui`` entry: hash, family, latent multiple, ``host: comfyui``), so the WebUI lists these
 engines for the same checkpoint and uses them.
 
@@ -31,7 +35,8 @@ from sd_accel.profiles import PRESETS, Profile, parse_range
 
 log = logging.getLogger("sd_accel")
 
-COMPONENT_CHOICES = ("unet", "unet+vae_decoder", "unet+vae_decoder+vae_encoder", "vae_decoder",
+COMPONENT_CHOICES = ("unet", "unet+vae_decoder", "unet+vae_decoder+vae_encoder", "unet+clip+vae_decoder+vae_encoder",
+                     "unet+unet_control+clip+vae_decoder+vae_encoder", "unet_control", "clip", "vae_decoder",
                      "vae_decoder+vae_encoder")
 CUSTOM = "custom (ranges below)"
 
@@ -75,7 +80,8 @@ def _load_for_export(patcher) -> None:
     mm.load_models_gpu([patcher], force_full_load=True)
 
 
-def unet_part(patcher, st: State) -> Part:
+def unet_part(patcher, st: State, control: bool = False) -> Part:
+    from sd_accel.components.ldm_control_unet import LdmControlUNetSpec
     from sd_accel.components.ldm_unet import LdmUNetSpec
 
     model = patcher.model
@@ -95,10 +101,28 @@ def unet_part(patcher, st: State) -> Part:
                                "before the LoRA loaders")
     elif getattr(model, "current_weight_patches_uuid", None) is not None:
         _load_for_export(patcher)  # another MODEL's LoRA may still be in the weights: ComfyUI takes it out
-    spec = LdmUNetSpec(unet)
+    spec = LdmControlUNetSpec(unet) if control else LdmUNetSpec(unet)
     facts = {"family": _family(model, spec), "loras": [list(e) for e in loras], "lora_text": describe(loras),
              "model_type": getattr(getattr(model, "model_type", None), "name", None)}
-    return Part("unet", spec, unet_weights_id(ckpt, loras), unet, facts)
+    return Part("unet_control" if control else "unet", spec, unet_weights_id(ckpt, loras), unet, facts)
+
+
+def clip_parts(clip, st: State) -> list[Part]:
+    from sd_accel.comfyui.clip import clip_weights_id, encoders, patched
+    from sd_accel.components.comfy_clip import ComfyClipSpec
+
+    found = encoders(clip)
+    if not found:
+        raise InvalidValue("this CLIP has no ComfyUI CLIPTextModel (not an SD 1.x/2.x/XL text encoder): it stays "
+                           "in PyTorch")
+    parts = []
+    for name, module in found:
+        if patched(clip, name):
+            raise InvalidValue(f"the CLIP's {name} carries LoRA patches: build from the CLIP before the LoRA "
+                               "loaders (a patched text encoder runs in PyTorch)")
+        parts.append(Part("clip", ComfyClipSpec(module), clip_weights_id(clip, name, module, st), module,
+                          {"encoder": name}))
+    return parts
 
 
 def vae_parts(vae, components: tuple[str, ...], st: State) -> list[Part]:
@@ -129,7 +153,7 @@ def _job(part: Part, profile: Profile, precision: str, ckpt_path: str | None) ->
 
     def facts(artifact) -> dict:
         wid = part.weights_id
-        out = {"hash": wid.split("+")[0].removeprefix("ckpt-") if wid.startswith("ckpt-") else None,
+        out = {"hash": wid.split("+")[0].split(".")[0].removeprefix("ckpt-") if wid.startswith("ckpt-") else None,
                "checkpoint": ckpt_path or "", "model_name": (ckpt_path or wid).rsplit("/", 1)[-1],
                "weights_fingerprint": artifact.fingerprint, "onnx": artifact.folder.name, "host": "comfyui",
                **part.facts}
@@ -141,8 +165,10 @@ def _job(part: Part, profile: Profile, precision: str, ckpt_path: str | None) ->
 
 
 def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile: Profile | None = None,
-          backend: str = "auto", precision: str = "auto", st: State | None = None, validate: bool = True) -> list:
-    """Build (or reuse) engines for the MODEL's UNet and the VAE's halves; returns the records.
+          backend: str = "auto", precision: str = "auto", st: State | None = None, validate: bool = True,
+          clip=None) -> list:
+    """Build (or reuse) engines for the MODEL's UNet (plain, residual-taking), the CLIP's text
+    encoders and the VAE's halves; returns the records.
 
     Raises :class:`~sd_accel.core.InvalidValue` for what cannot be built (a missing MODEL or VAE,
     an unusable backend: the message says what it needs), ComfyUI's interrupt exception when the
@@ -166,12 +192,21 @@ def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile
             if model is None:
                 raise InvalidValue("components include the UNet: connect a MODEL")
             parts.append(unet_part(model, st))
+        if "unet_control" in components:
+            if model is None:
+                raise InvalidValue("components include unet_control: connect a MODEL")
+            parts.append(unet_part(model, st, control=True))
+        if "clip" in components:
+            if clip is None:
+                raise InvalidValue("components include clip: connect a CLIP")
+            parts.extend(clip_parts(clip, st))
         wanted = tuple(c for c in components if c.startswith("vae"))
         if wanted:
             if vae is None:
                 raise InvalidValue(f"components include {', '.join(wanted)}: connect a VAE")
             parts.extend(vae_parts(vae, wanted, st))
-        path = host.source_of(getattr(model, "model", None)) or host.source_of(getattr(vae, "first_stage_model", None))
+        path = (host.source_of(getattr(model, "model", None)) or host.source_of(getattr(vae, "first_stage_model", None))
+                or host.source_of(getattr(clip, "cond_stage_model", None)))
         jobs = [_job(p, profile, precision, path) for p in parts]
         modules = {id(j.spec): p.module for j, p in zip(jobs, parts, strict=True)}
         bar = host.progress_bar(100 * len(jobs))

@@ -25,7 +25,8 @@ def _records_text(records) -> str:
 
 
 class SdAccelBuildEngines:
-    """Build (or reuse) engines for a MODEL's UNet and a VAE's decoder / encoder."""
+    """Build (or reuse) engines for a MODEL's UNet (plain and ControlNet-taking), a CLIP's text
+    encoders and a VAE's decoder / encoder."""
 
     @classmethod
     def INPUT_TYPES(cls):  # noqa: N802  (ComfyUI's name)
@@ -41,6 +42,7 @@ class SdAccelBuildEngines:
             },
             "optional": {
                 "vae": ("VAE",),
+                "clip": ("CLIP",),
                 "batch": ("STRING", {"default": "1-2", "tooltip": "N, MIN-MAX or MIN-OPT-MAX (custom preset)"}),
                 "height": ("STRING", {"default": "512", "tooltip": "pixels, multiples of 8 (custom preset)"}),
                 "width": ("STRING", {"default": "512", "tooltip": "pixels, multiples of 8 (custom preset)"}),
@@ -55,13 +57,13 @@ class SdAccelBuildEngines:
     OUTPUT_NODE = True
     DESCRIPTION = "Builds sd-accel engines for the MODEL (and VAE); returns the MODEL with the engines applied."
 
-    def build(self, model, components, preset, backend, precision, vae=None, batch="1-2", height="512",
+    def build(self, model, components, preset, backend, precision, vae=None, clip=None, batch="1-2", height="512",
               width="512", tokens="77-154"):
         from sd_accel.comfyui.build import build, profile_for
         from sd_accel.comfyui.unet import apply_engines
 
         profile = profile_for(preset, batch, height, width, tokens)
-        records = build(model, vae, tuple(components.split("+")), profile, backend, precision)
+        records = build(model, vae, tuple(components.split("+")), profile, backend, precision, clip=clip)
         applied, _ = apply_engines(model)
         return (applied, _records_text(records))
 
@@ -84,6 +86,25 @@ class SdAccelApplyEngines:
 
         applied, _ = apply_engines(model)
         return (applied,)
+
+
+class SdAccelCLIPTextEncode:
+    """ComfyUI's CLIP Text Encode with the text encoders on engines."""
+
+    @classmethod
+    def INPUT_TYPES(cls):  # noqa: N802
+        return {"required": {"text": ("STRING", {"multiline": True, "dynamicPrompts": True}), "clip": ("CLIP",)}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "encode"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("CLIP Text Encode with each text encoder on its sd-accel engine (built by Build Engines with "
+                   "clip in the components); a LoRA-patched encoder, or one without an engine, runs in PyTorch.")
+
+    def encode(self, clip, text):
+        from sd_accel.comfyui.clip import encode
+
+        return (encode(clip, text),)
 
 
 class SdAccelVAEDecode:
@@ -184,6 +205,7 @@ class SdAccelDeleteEngine:
 NODE_CLASS_MAPPINGS = {
     "SdAccelBuildEngines": SdAccelBuildEngines,
     "SdAccelApplyEngines": SdAccelApplyEngines,
+    "SdAccelCLIPTextEncode": SdAccelCLIPTextEncode,
     "SdAccelVAEDecode": SdAccelVAEDecode,
     "SdAccelVAEEncode": SdAccelVAEEncode,
     "SdAccelListEngines": SdAccelListEngines,
@@ -192,6 +214,7 @@ NODE_CLASS_MAPPINGS = {
 NODE_DISPLAY_NAME_MAPPINGS = {
     "SdAccelBuildEngines": "sd-accel Build Engines",
     "SdAccelApplyEngines": "sd-accel Apply Engines",
+    "SdAccelCLIPTextEncode": "sd-accel CLIP Text Encode",
     "SdAccelVAEDecode": "sd-accel VAE Decode",
     "SdAccelVAEEncode": "sd-accel VAE Encode",
     "SdAccelListEngines": "sd-accel List Engines",

@@ -1,7 +1,7 @@
 """The engines of this ComfyUI process: folder, backend, engines per weights id, LoRA refits.
 
 One :class:`State` per process (:func:`state`). Engines of a weights id stay loaded until the
-engine set changes (a build, a delete); the UNet's come as the WebUI's
+engine set changes (a build, a delete); the UNet's (plain and residual-taking) come as the WebUI's
 :class:`~sd_accel.webui.runner.LdmEngines` (per-call choice, batch chunks, PyTorch for the
 rest, counted and said once per reason), the VAE's as the runtime's ``ComponentEngines``.
 LoRA refits are the WebUI's (:class:`~sd_accel.webui.lora.LoraRefits`): the last few patch
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sd_accel.comfyui import host
+from sd_accel.components.ldm_control_unet import COMPONENT as CONTROL_UNET
 from sd_accel.components.ldm_unet import COMPONENT as UNET
 from sd_accel.webui.runner import LdmEngines
 
@@ -119,7 +120,7 @@ class State:
                 if found is None or not found.handles:
                     self._engines[key] = None
                 else:
-                    self._engines[key] = LdmEngines(wid, found) if component == UNET else found
+                    self._engines[key] = LdmEngines(wid, found) if component in (UNET, CONTROL_UNET) else found
             return self._engines[key]
 
     def engines_or_reason(self, wid: str | None, component: str = UNET) -> tuple[Any, str | None]:

@@ -15,8 +15,11 @@ Wrappers, not ``set_model_unet_function_wrapper``: that slot holds one function 
 other packs use it; wrappers chain. A ``model_function_wrapper`` of another pack (it wraps
 ``apply_model`` from outside) still reaches these; what changes the UNet from inside (FreeU's
 block patches, attention patches and replacements, other ``diffusion_model`` wrappers, object
-patches of ``diffusion_model``, ControlNet residuals) sends the call to PyTorch, with its names
-in the message, said once per reason and counted.
+patches of ``diffusion_model``, T2I-Adapter residuals) sends the call to PyTorch, with its names
+in the message, said once per reason and counted. ControlNet residuals (``control``: what
+ComfyUI's ControlNet apply nodes make, strengths and chained nets summed) go to the checkpoint's
+residual-taking UNet engine (``ldm_unet_control``, :mod:`sd_accel.components.ldm_control_unet`)
+when one is built, to PyTorch otherwise (said once: build it with the Build Engines node).
 
 LoRA: ComfyUI writes the patches into the weights when it loads the model for sampling
 (``ModelPatcher.load``, before the first UNet call) and records ``current_weight_patches_uuid``
@@ -37,6 +40,8 @@ import torch
 from sd_accel.comfyui import host
 from sd_accel.comfyui.identity import describe, patch_set, unet_weights_id
 from sd_accel.comfyui.state import State, state
+from sd_accel.components.ldm_control_unet import COMPONENT as CONTROL
+from sd_accel.components.ldm_control_unet import control_feed, control_names, ldm_layout
 from sd_accel.components.ldm_unet import COMPONENT
 from sd_accel.webui.identity import LoraSet
 
@@ -66,13 +71,10 @@ def _patch_names(options: dict, key: str) -> list[str]:
     return found
 
 
-def call_reason(control, options: dict | None, kwargs: dict, controlnets: list[str] | None = None) -> str | None:
-    """Why this UNet call must run in PyTorch, with the names of what asks for it; None: engines."""
+def call_reason(options: dict | None, kwargs: dict) -> str | None:
+    """Why this UNet call must run in PyTorch (patches, other wrappers, arguments), with the
+    names of what asks for it; None: engines. ControlNet residuals are judged apart."""
     options = options or {}
-    if control is not None:
-        names = ", ".join(controlnets or []) or "a ControlNet"
-        return (f"ControlNet residuals ({names}) are not in the engine (a residual-taking UNet engine is "
-                "needed: see the ControlNet issue)")
     patches = _patch_names(options, "patches") + _patch_names(options, "patches_replace")
     if patches:
         return f"UNet patches ({'; '.join(patches)}) are not in the engine"
@@ -85,6 +87,13 @@ def call_reason(control, options: dict | None, kwargs: dict, controlnets: list[s
     if extra:
         return f"arguments the engine was not built for: {', '.join(extra)}"
     return None
+
+
+def _sliced_control(control: dict | None, part: slice) -> dict | None:
+    """The call's ``control`` for a batch slice (fresh lists: ComfyUI's UNet pops from them)."""
+    if control is None:
+        return None
+    return {k: [None if t is None else t[part] for t in v] if isinstance(v, list) else v for k, v in control.items()}
 
 
 def _controlnets(guider) -> list[str]:
@@ -110,6 +119,9 @@ class Run:
     reason: str | None = None  # the whole run runs in PyTorch, and why
     refit: bool = False  # the engines come from a refit at the first call
     controlnets: list[str] = field(default_factory=list)
+    control: Any = None  # LdmEngines taking ControlNet residuals (the checkpoint's, or refitted)
+    control_base: Any = None  # the checkpoint's residual-taking engines (what a refit starts from)
+    control_why: str | None = None  # why ControlNet calls cannot use them
     torch_calls: dict[str, int] = field(default_factory=dict)  # where no engines count them
     line: str | None = None  # what a refit did, for the report
 
@@ -122,6 +134,7 @@ class EngineUNet:
         self._state = st
         self.run: Run | None = None
         self.last_report: str | None = None
+        self._names: list[str] | None = None  # the residual engine's control inputs
 
     @property
     def state(self) -> State:
@@ -145,7 +158,14 @@ class EngineUNet:
         run.loras = patch_set(getattr(patcher, "patches", {}) or {})
         st = self.state
         base, why = st.engines_or_reason(unet_weights_id(self.ckpt_id), COMPONENT)
+        control, _ = st.engines_or_reason(unet_weights_id(self.ckpt_id), CONTROL)
         run.counter = base
+        if control is not None:
+            control.reset_stats()
+        run.control = run.control_base = control
+        if control is None:
+            run.control_why = (f"no residual-taking UNet engine (ldm_unet_control) for {self.ckpt_id}: build one "
+                               "with the sd-accel Build Engines node (components with unet_control)")
         if not run.loras:
             run.engines = base
             if base is None:
@@ -153,11 +173,19 @@ class EngineUNet:
                                      "Engines node)")
             return run
         own, _ = st.engines_or_reason(unet_weights_id(self.ckpt_id, run.loras), COMPONENT)
+        own_control, _ = st.engines_or_reason(unet_weights_id(self.ckpt_id, run.loras), CONTROL)
+        run.control = own_control  # the checkpoint's residual engine is refitted with the UNet's, or not used
+        if own_control is None and control is not None:
+            run.control_why = None  # decided at the refit
         if own is not None:  # an engine built with these patches applied
             run.engines = run.counter = own
+            if own_control is None:
+                run.control_why = (f"no residual-taking UNet engine built for {describe(run.loras)}: ControlNet "
+                                   "calls run in PyTorch")
             return run
         if base is None:
             run.reason = f"no engine for {self.ckpt_id} to refit for {describe(run.loras)}"
+            run.control, run.control_why = None, run.reason
             return run
         from sd_accel.refit import needs_rebuild
 
@@ -227,6 +255,36 @@ class EngineUNet:
             run.line = refit.line(False)
         run.engines = run.counter = refit.engines
         run.counter.reset_stats()
+        if run.controlnets and run.control is None and run.control_base is not None:
+            self._refit_control(run, unet, (*where, CONTROL))
+
+    def _refit_control(self, run: Run, unet: torch.nn.Module, where: tuple) -> None:
+        """The checkpoint's residual-taking engine refitted to the same patched weights."""
+        from sd_accel.components.ldm_control_unet import LdmControlUNetSpec
+        from sd_accel.webui.lora import lora_text, refit_for
+
+        st = self.state
+        refit = st.refits.get(where, run.loras)
+        if refit is None:
+            failed = st.refits.failed(where, run.loras)
+            if failed:
+                run.control_why = failed
+                return
+            try:
+                from sd_accel.comfyui.tracing import comfy_export_context
+
+                ckpt = self.ckpt_id.removeprefix("ckpt-")
+                with torch.inference_mode(False), comfy_export_context(unet):
+                    refit = refit_for(run.control_base, run.loras, ckpt, unet, LdmControlUNetSpec(unet))
+            except Exception as exc:  # noqa: BLE001  (never stop the image: PyTorch, said once)
+                why = f"the residual-taking engine's refit for {lora_text(run.loras)} failed: {type(exc).__name__}: {exc}"
+                st.refits.fail(where, run.loras, why)
+                log.warning("sd-accel: %s", why)
+                run.control_why = why
+                return
+            st.refits.add(where, refit, KEPT_REFITS)
+        run.control = refit.engines
+        run.control.reset_stats()
 
     def diffusion_model(self, executor, x, timesteps=None, context=None, y=None, control=None,
                         transformer_options=None, **kwargs):
@@ -239,10 +297,10 @@ class EngineUNet:
         def torch_part(part: slice | None = None) -> torch.Tensor:
             if part is None:
                 return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
-            return executor(x[part], timesteps[part], context[part], None if y is None else y[part], control,
-                            transformer_options, **kwargs)
+            return executor(x[part], timesteps[part], context[part], None if y is None else y[part],
+                            _sliced_control(control, part), transformer_options, **kwargs)
 
-        reason = call_reason(control, options, kwargs, run.controlnets)
+        reason = call_reason(options, kwargs)
         if reason is None and run.reason is None and run.refit:
             self._refit(run, getattr(executor, "class_obj", None))
         reason = reason or run.reason
@@ -251,7 +309,23 @@ class EngineUNet:
         if reason is not None:
             self._count_torch(run, reason)
             return torch_part()
-        return run.engines(x, timesteps, context, y, torch_part)
+        if control is None:
+            return run.engines(x, timesteps, context, y, torch_part)
+        if run.control is None:
+            names = ", ".join(run.controlnets) or "a ControlNet"
+            self._count_torch(run, f"ControlNet residuals ({names}): {run.control_why or 'no residual-taking engine'}")
+            return torch_part()
+        unet = getattr(executor, "class_obj", None)
+        feed, why = control_feed(control, self._control_names(unet))
+        if feed is None:
+            self._count_torch(run, why)
+            return torch_part()
+        return run.control(x, timesteps, context, y, torch_part, extra=feed)
+
+    def _control_names(self, unet) -> list[str]:
+        if self._names is None:
+            self._names = control_names(ldm_layout(unet))
+        return self._names
 
     def _count_torch(self, run: Run, reason: str) -> None:
         if run.counter is not None:
@@ -263,13 +337,21 @@ class EngineUNet:
 
     def report(self, run: Run) -> str:
         """``sd-accel: UNet calls this run: N on engines, M in PyTorch (k x why; ...)``."""
-        stats = run.counter.stats if run.counter is not None else None
-        on = stats.engine_calls if stats is not None else 0
-        reasons = dict(stats.fallbacks) if stats is not None else {}
+        on = off = 0
+        reasons: dict[str, int] = {}
+        counted = {id(e): e for e in (run.counter, run.control) if e is not None}
+        for engines in counted.values():
+            stats = engines.stats
+            on += stats.engine_calls
+            off += stats.torch_calls
+            for why, n in stats.fallbacks.items():
+                reasons[why] = reasons.get(why, 0) + n
         for why, n in run.torch_calls.items():
             reasons[why] = reasons.get(why, 0) + n
-        off = (stats.torch_calls if stats is not None else 0) + sum(run.torch_calls.values())
+        off += sum(run.torch_calls.values())
         line = f"sd-accel: UNet calls this run: {on} on engines, {off} in PyTorch"
+        if run.control is not None and run.control.stats.engine_calls:
+            line += f" ({run.control.stats.engine_calls} with ControlNet residuals)"
         if reasons:
             line += " (" + "; ".join(f"{n}x {why}" for why, n in reasons.items()) + ")"
         if run.line:

@@ -166,9 +166,10 @@ def forge_merge(patcher) -> Merge:
     return lambda: host.forge_lora_state(patcher)
 
 
-def refit_for(base, loras: LoraSet, ckpt: str, unet: torch.nn.Module) -> Refit:
+def refit_for(base, loras: LoraSet, ckpt: str, unet: torch.nn.Module, spec=None) -> Refit:
     """Refit the engines ``base`` (a :class:`LdmEngines` of the checkpoint; its INT8 ones are left
-    out) to ``unet``'s weights, which carry ``loras`` (see :data:`Merge`)."""
+    out) to ``unet``'s weights, which carry ``loras`` (see :data:`Merge`). ``spec``: the engines'
+    spec (default the plain ``ldm_unet`` one; the residual-taking UNet passes its own)."""
     from sd_accel.components.ldm_unet import LdmUNetSpec
     from sd_accel.onnx.weights import effective_weights
     from sd_accel.refit import needs_rebuild, refit_component
@@ -177,7 +178,7 @@ def refit_for(base, loras: LoraSet, ckpt: str, unet: torch.nn.Module) -> Refit:
     with refit_context(unet):
         weights = effective_weights(unet)
         refittable = base.component_engines.subset(lambda h: h.broken is None and needs_rebuild(h) is None)
-        component = refit_component(refittable, weights, LdmUNetSpec(unet), _console_progress(loras))
+        component = refit_component(refittable, weights, spec or LdmUNetSpec(unet), _console_progress(loras))
     names = tuple(h.name for h in component.handles)
     return Refit(LdmEngines(weights_id(ckpt, loras), component), loras, names, time.perf_counter() - start)
 

@@ -81,8 +81,10 @@ class LdmEngines:
         self._any.torch_call(reason)
 
     def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                 y: torch.Tensor | None, torch_call: TorchCall) -> torch.Tensor:
-        """The UNet's output for the call, from engines where they cover it, torch elsewhere."""
+                 y: torch.Tensor | None, torch_call: TorchCall,
+                 extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The UNet's output for the call, from engines where they cover it, torch elsewhere.
+        ``extra``: more inputs with the batch first (a residual-taking UNet's ``control_*``)."""
         batch = x.shape[0]
         t = torch.as_tensor(timesteps, device=x.device).float().reshape(-1)
         if t.numel() == 1 and batch > 1:
@@ -90,6 +92,7 @@ class LdmEngines:
         feed = {"x": x.float(), "timesteps": t.contiguous(), "context": context.float()}
         if y is not None:
             feed["y"] = y.float()
+        feed.update(extra or {})
         engines = self._pick(tuple(x.shape[-2:]))
         outs = []
         for part in self._chunks(engines, feed, batch):

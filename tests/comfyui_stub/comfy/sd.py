@@ -10,9 +10,11 @@ from pathlib import Path
 
 import torch
 
+from comfy import model_management, sd1_clip
 from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
 from comfy.model_base import BaseModel
 from comfy.model_patcher import ModelPatcher
+from comfy.sd1_clip import SD1ClipModel
 from comfy.weight_adapter import LoRAAdapter
 
 _WEBUI_VAE = Path(__file__).resolve().parents[2] / "webui_stub" / "ldm" / "modules" / "diffusionmodules" / "model.py"
@@ -61,16 +63,56 @@ class VAE:
 
 
 class CLIP:
-    """Text -> a (1, 77 * chunks, 768) context, deterministic in the text (the tiny UNet's context width, 64)."""
+    """ComfyUI's CLIP: a ModelPatcher over ``SD1ClipModel`` (``clip_l``), ``tokenize``,
+    ``encode_from_tokens`` (the patches written into the weights first, as ``load_model`` does),
+    ``clip_layer`` (CLIPSetLastLayer), ``clone``; ``encode(text)`` is the tests' shortcut."""
 
-    def __init__(self, seed: int):
-        self.seed = seed
-        self.patcher = None
+    def __init__(self, seed: int | None = None):
+        if seed is None:
+            return
+        with torch.random.fork_rng():
+            torch.manual_seed(seed + 2)
+            model = SD1ClipModel().eval()
+            for name, p in model.named_parameters():
+                if "embedding" in name:
+                    p.data.normal_(0, 0.02)
+        self.cond_stage_model = model
+        self.patcher = ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
+        self.layer_idx = None
+        self.embeddings: dict = {}
+
+    def clone(self):
+        n = CLIP()
+        n.cond_stage_model = self.cond_stage_model
+        n.patcher = self.patcher.clone()
+        n.layer_idx = self.layer_idx
+        n.embeddings = self.embeddings
+        return n
+
+    def clip_layer(self, layer_idx):
+        self.layer_idx = layer_idx
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        return self.patcher.add_patches(patches, strength_patch, strength_model)
+
+    def tokenize(self, text: str):
+        return sd1_clip.tokenize(text, self.embeddings)
+
+    def encode_from_tokens(self, tokens, return_pooled=False):
+        self.cond_stage_model.clip_l.layer, self.cond_stage_model.clip_l.layer_idx = "last", None
+        if self.layer_idx is not None:
+            self.cond_stage_model.set_clip_options({"layer": self.layer_idx})
+        model_management.load_models_gpu([self.patcher])
+        cond, pooled = self.cond_stage_model.encode_token_weights(tokens)
+        return (cond, pooled) if return_pooled else cond
+
+    def encode_from_tokens_scheduled(self, tokens):
+        cond, pooled = self.encode_from_tokens(tokens, return_pooled=True)
+        return [[cond, {"pooled_output": pooled}]]
 
     def encode(self, text: str) -> torch.Tensor:
-        chunks = max(1, (len(text.split()) + 74) // 75)
-        g = torch.Generator().manual_seed(abs(hash((text, self.seed))) % (1 << 31))
-        return torch.randn(1, 77 * chunks, 64, generator=g)
+        with torch.inference_mode():
+            return self.encode_from_tokens(self.tokenize(text))
 
 
 def load_checkpoint_guess_config(ckpt_path, output_vae=True, output_clip=True, output_clipvision=False,
@@ -92,8 +134,26 @@ def lora_for(model: ModelPatcher, seed: int, rank: int = 2) -> dict:
     return patches
 
 
+def clip_lora_for(clip: CLIP, seed: int, rank: int = 2) -> dict:
+    """A LoRA's text-encoder patches (ComfyUI's keys: ``clip_l.transformer.text_model...``)."""
+    g = torch.Generator().manual_seed(seed)
+    patches = {}
+    for key, w in clip.cond_stage_model.state_dict().items():
+        if key.endswith(("q_proj.weight", "v_proj.weight")):
+            up = torch.randn(w.shape[0], rank, generator=g) * 0.5
+            down = torch.randn(rank, w.shape[1], generator=g) * 0.5
+            patches[key] = LoRAAdapter(set(), (up, down, torch.tensor(float(rank)), None, None, None))
+    return patches
+
+
 def load_lora_for_models(model, clip, lora, strength_model, strength_clip):
-    """``lora``: the patches (as ``comfy.lora.load_lora`` gives them)."""
+    """``lora``: the patches (as ``comfy.lora.load_lora`` gives them); the UNet's go to the MODEL's
+    clone, the text encoder's (``clip_l.`` keys) to the CLIP's."""
     new_model = model.clone()
-    new_model.add_patches(lora, strength_model)
-    return new_model, clip
+    new_model.add_patches({k: v for k, v in lora.items() if not k.startswith("clip_")}, strength_model)
+    te = {k: v for k, v in lora.items() if k.startswith("clip_")}
+    new_clip = clip
+    if te and clip is not None:
+        new_clip = clip.clone()
+        new_clip.add_patches(te, strength_clip)
+    return new_model, new_clip

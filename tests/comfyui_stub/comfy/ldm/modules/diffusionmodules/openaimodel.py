@@ -1,8 +1,11 @@
 """``comfy.ldm.modules.diffusionmodules.openaimodel.UNetModel``, made tiny.
 
 ComfyUI's ``forward`` runs the DIFFUSION_MODEL wrappers around ``_forward``; ``_forward`` here is
-a tiny diffusers UNet (the sd-accel built-in tiny SD 1.5 config), which adds the ControlNet's
-last output residual and runs ``output_block_patch`` patches the way ComfyUI's does (FreeU)."""
+a tiny diffusers UNet (the sd-accel built-in tiny SD 1.5 config). ``control`` is ComfyUI's:
+``output`` residuals in input-block order, each added to its skip connection (diffusers' down
+residuals), ``middle`` after the middle block (``input``, T2I-Adapters', is left out here); ``output_block_patch`` patches run the way
+ComfyUI's do (FreeU). ``model_channels``, ``channel_mult``, ``num_res_blocks`` as ComfyUI's module
+has them."""
 
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ class UNetModel(torch.nn.Module):
         self.in_channels = cfg["in_channels"]
         self.out_channels = cfg["out_channels"]
         self.model_channels = cfg["block_out_channels"][0]
+        self.channel_mult = [c // self.model_channels for c in cfg["block_out_channels"]]
+        self.num_res_blocks = [cfg["layers_per_block"]] * len(self.channel_mult)
         self.dtype = torch.float32
 
     def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options={}, **kwargs):  # noqa: B006  (ComfyUI's signature)
@@ -37,9 +42,12 @@ class UNetModel(torch.nn.Module):
         ).execute(x, timesteps, context, y, control, transformer_options, **kwargs)
 
     def _forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options={}, **kwargs):  # noqa: B006
-        h = self.unet(x, timesteps, encoder_hidden_states=context).sample
-        if control is not None and control.get("output"):
-            h = h + control["output"][-1]
+        down = mid = None
+        if control is not None:
+            down = tuple(control["output"]) if control.get("output") else None
+            mid = control["middle"][0] if control.get("middle") else None
+        h = self.unet(x, timesteps, encoder_hidden_states=context, down_block_additional_residuals=down,
+                      mid_block_additional_residual=mid).sample
         for patch in (transformer_options.get("patches") or {}).get("output_block_patch", []):
             h, _ = patch(h, h, transformer_options)
         return h
