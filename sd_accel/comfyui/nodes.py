@@ -78,8 +78,9 @@ class SdAccelApplyEngines:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
     CATEGORY = CATEGORY
-    DESCRIPTION = ("UNet calls on sd-accel engines (LoRA loaders after this node refit them); calls no engine "
-                   "covers, ControlNet and other patches run in PyTorch, counted and said once.")
+    DESCRIPTION = ("UNet calls on sd-accel engines (LoRA loaders after this node refit them; ControlNet residuals go "
+                   "to the residual-taking engine, built with unet_control); calls no engine covers and other "
+                   "patches run in PyTorch, counted and said once.")
 
     def apply(self, model):
         from sd_accel.comfyui.unet import apply_engines
