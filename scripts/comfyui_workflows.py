@@ -11,7 +11,7 @@ into ``custom_nodes/``, sd-accel installed into ComfyUI's Python): start ComfyUI
 Each workflow runs in PyTorch (ComfyUI's own nodes) and on engines (sd-accel Apply Engines,
 sd-accel CLIP Text Encode, sd-accel VAE Decode / Encode), with the same seed; the script prints,
 per workflow, both times, ComfyUI's own s/it of the sampler (read from its log with ``--log``;
-else the whole run's seconds per step), the mean absolute difference of the two images (0-255),
+else the whole run's seconds per step), the mean absolute difference of the two images (0-255) and its PSNR in dB,
 and sd-accel's console lines are in ComfyUI's log. Workflows: ``txt2img``; ``lora`` at two
 strengths (a refit each, never a rebuild); ``long`` (a 150-token prompt); ``img2img`` (VAE
 encode on engines); ``controlnet`` (ControlNetApplyAdvanced: the residuals go to the
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import re
 import sys
 import time
@@ -95,6 +96,15 @@ def mean_abs_diff(a, b) -> float:
     return sum(abs(x - y) for x, y in zip(pa, pb, strict=True)) / len(pa)
 
 
+def psnr(a, b) -> float:
+    """PSNR in dB of ``b`` against ``a`` (8-bit RGB), the measure the benchmarks use."""
+    if a is None or b is None:
+        return float("nan")
+    pa, pb = a.tobytes(), b.tobytes()
+    mse = sum((x - y) ** 2 for x, y in zip(pa, pb, strict=True)) / len(pa)
+    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
 def graph(args, engines: bool, prompt: str = "a photo of a cat", lora: float | None = None, img2img: str | None = None,
           controlnet: bool = False, prefix: str = "sdaccel") -> dict:
     g = {
@@ -139,6 +149,20 @@ def graph(args, engines: bool, prompt: str = "a photo of a cat", lora: float | N
     return g
 
 
+def listed_superset(url: str, wanted: str) -> str:
+    """The smallest component choice of the running pack's Build node that holds ``wanted``
+    (packs of other versions list other combinations)."""
+    try:
+        with urllib.request.urlopen(f"{url}/object_info/SdAccelBuildEngines", timeout=60) as r:
+            info = json.loads(r.read())
+        choices = info["SdAccelBuildEngines"]["input"]["required"]["components"][0]
+    except (OSError, KeyError, ValueError, IndexError):
+        return wanted
+    need = set(wanted.split("+"))
+    fits = [c for c in choices if need <= set(c.split("+"))]
+    return min(fits, key=lambda c: len(c.split("+"))) if fits else wanted
+
+
 def build_graph(args) -> dict:
     components = "unet"
     if args.controlnet:
@@ -146,6 +170,7 @@ def build_graph(args) -> dict:
     if not args.torch_clip:
         components += "+clip"
     components += "+vae_decoder+vae_encoder" if args.img2img else "+vae_decoder"
+    components = listed_superset(args.url.rstrip("/"), components)
     return {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": args.ckpt}},
         "2": {"class_type": "SdAccelBuildEngines", "inputs": {
@@ -220,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.hint:
             raise SystemExit("--controlnet needs --hint (the control image's name in ComfyUI's input/ folder)")
         runs.append(("controlnet", {"controlnet": True}))
-    print(f"{'workflow':18s} {'torch s':>8s} {'engines s':>9s} {'torch s/it':>10s} {'eng s/it':>8s} {'diff/255':>8s}  "
+    print(f"{'workflow':18s} {'torch s':>8s} {'engines s':>9s} {'torch s/it':>10s} {'eng s/it':>8s} {'diff/255':>8s} {'PSNR dB':>7s}  "
           f"(whole runs: loads and refits included; s/it: {'the sampler bar' if args.log else 'run s / steps'})")
     for name, kw in runs:
         out = {}
@@ -233,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 per = sampler_s_per_it(args.log, mark) if args.log else took / args.steps
                 out[engines] = (took, image(url, e, "7"), per)
         t, en = out[False], out[True]
-        print(f"{name:18s} {t[0]:8.1f} {en[0]:9.1f} {t[2]:10.2f} {en[2]:8.2f} {mean_abs_diff(t[1], en[1]):8.2f}",
+        print(f"{name:18s} {t[0]:8.1f} {en[0]:9.1f} {t[2]:10.2f} {en[2]:8.2f} {mean_abs_diff(t[1], en[1]):8.2f} "
+              f"{psnr(t[1], en[1]):7.1f}",
               flush=True)
     return 0
 
