@@ -338,3 +338,25 @@ def test_patch_sets_name_each_lora_and_strength(tmp_path):
     assert loras(a, 0.0) == () and patch_set(model.patches) == ()
     ids = {unet_weights_id("ckpt-0123456789", s) for s in (a1, a05, b1, ())}
     assert len(ids) == 4 and "ckpt-0123456789" in ids
+
+
+def test_a_checkpoint_overwritten_after_loading_is_keyed_by_the_weights_in_memory(tmp_path):
+    """ComfyUI keeps serving the model it loaded when the file is overwritten under the same name;
+    the engine id must then not be the new file's hash (an engine of other weights would be built
+    and found under it)."""
+    import os
+
+    from sd_accel.comfyui.identity import checkpoint_id
+
+    comfy = harness.start(tmp_path, tmp_path / "engines")
+    model = comfy.load()[0]
+    sha = hashlib.sha256(comfy.checkpoint.read_bytes()).hexdigest()[:10]
+    assert checkpoint_id(model.model, tmp_path / "engines") == f"ckpt-{sha}"
+    data = bytearray(comfy.checkpoint.read_bytes())
+    data[-1] ^= 0xFF  # other bytes in place, same size
+    comfy.checkpoint.write_bytes(bytes(data))
+    stat = comfy.checkpoint.stat()
+    os.utime(comfy.checkpoint, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    after = checkpoint_id(model.model, tmp_path / "engines", fingerprint_of=model.model.diffusion_model)
+    assert after.startswith("fp-"), after
+    assert after != f"ckpt-{hashlib.sha256(bytes(data)).hexdigest()[:10]}"

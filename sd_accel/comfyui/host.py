@@ -78,17 +78,35 @@ def runs_on_cpu() -> bool:
         return not torch.cuda.is_available()
 
 
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
 def tag_source(obj: Any, path: str) -> None:
-    """Remember on ``obj`` (a module, kept by every ModelPatcher clone) the file it was loaded from."""
+    """Remember on ``obj`` (a module, kept by every ModelPatcher clone) the file it was loaded from,
+    with the file's size and modification time then."""
     if obj is not None:
         try:
-            object.__setattr__(obj, SOURCE_ATTR, str(path))
+            object.__setattr__(obj, SOURCE_ATTR, (str(path), _stamp(str(path))))
         except (AttributeError, TypeError):
             pass
 
 
 def source_of(obj: Any) -> str | None:
-    return getattr(obj, SOURCE_ATTR, None)
+    """The file ``obj`` was loaded from, while that file is unchanged. A file overwritten since
+    (ComfyUI keeps serving the model it loaded before) gives None, so the weights in memory are
+    fingerprinted instead of being keyed by the new file's hash."""
+    tag = getattr(obj, SOURCE_ATTR, None)
+    if isinstance(tag, str):
+        return tag
+    if not tag:
+        return None
+    path, stamp = tag
+    return path if stamp is not None and _stamp(path) == stamp else None
 
 
 def tag_checkpoint_loads() -> bool:
