@@ -360,3 +360,38 @@ def test_a_checkpoint_overwritten_after_loading_is_keyed_by_the_weights_in_memor
     after = checkpoint_id(model.model, tmp_path / "engines", fingerprint_of=model.model.diffusion_model)
     assert after.startswith("fp-"), after
     assert after != f"ckpt-{hashlib.sha256(bytes(data)).hexdigest()[:10]}"
+
+
+def test_engines_of_checkpoints_used_longer_ago_are_closed(tmp_path, monkeypatch):
+    """Engines (and refits) of every checkpoint a session touched stayed in RAM until a real
+    ComfyUI was killed for memory; only the KEPT_CHECKPOINTS most recent stay loaded."""
+    import sd_accel.runtime
+    from sd_accel.comfyui import state as state_mod
+    from sd_accel.webui.lora import Refit
+
+    closed = []
+
+    class Found:
+        def __init__(self, wid):
+            self.wid, self.handles = wid, [object()]
+
+        def close(self):
+            closed.append(self.wid)
+
+    monkeypatch.setattr(sd_accel.runtime, "engines_for", lambda cache, backend, wid, component, **kw: Found(wid))
+    st = state_mod.State(tmp_path / "engines", backend="onnxruntime")
+    monkeypatch.setattr(st, "backends_here", lambda: ["onnxruntime"])
+    refit_engines = Found("ckpt-aaaaaaaaaa+lora-1")
+    where = ("ckpt-aaaaaaaaaa", "onnxruntime", "root", 0)
+    st.refits.add(where, Refit(engines=refit_engines, loras=(("l", 1.0),), base=(), seconds=0.0), keep=2)
+
+    a = st.engines_for("ckpt-aaaaaaaaaa", "ldm_vae_decoder")
+    assert st.engines_for("ckpt-aaaaaaaaaa.clip_l", "comfy_clip") is not None
+    st.engines_for("ckpt-bbbbbbbbbb", "ldm_vae_decoder")
+    assert st.engines_for("ckpt-aaaaaaaaaa", "ldm_vae_decoder") is a and not closed  # two checkpoints: kept
+    st.engines_for("ckpt-cccccccccc", "ldm_vae_decoder")  # a third: b, the least recent, goes
+    assert closed == ["ckpt-bbbbbbbbbb"]
+    st.engines_for("ckpt-dddddddddd+lora-2", "ldm_vae_decoder")  # a fourth: a's engines and its refit go
+    assert sorted(closed) == sorted(["ckpt-bbbbbbbbbb", "ckpt-aaaaaaaaaa", "ckpt-aaaaaaaaaa.clip_l",
+                                     "ckpt-aaaaaaaaaa+lora-1"])
+    assert st.refits.get(where, (("l", 1.0),)) is None

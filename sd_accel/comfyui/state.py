@@ -1,7 +1,7 @@
 """The engines of this ComfyUI process: folder, backend, engines per weights id, LoRA refits.
 
 One :class:`State` per process (:func:`state`). Engines of a weights id stay loaded until the
-engine set changes (a build, a delete); the UNet's (plain and residual-taking) come as the WebUI's
+engine set changes (a build, a delete) or more than ``KEPT_CHECKPOINTS`` other checkpoints were used since; the UNet's (plain and residual-taking) come as the WebUI's
 :class:`~sd_accel.webui.runner.LdmEngines` (per-call choice, batch chunks, PyTorch for the
 rest, counted and said once per reason), the VAE's as the runtime's ``ComponentEngines``.
 LoRA refits are the WebUI's (:class:`~sd_accel.webui.lora.LoraRefits`): the last few patch
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,12 @@ from sd_accel.webui.runner import LdmEngines
 log = logging.getLogger("sd_accel")
 
 ENV_BACKEND = "SD_ACCEL_COMFYUI_BACKEND"  # the backend engines are loaded for (default auto)
+KEPT_CHECKPOINTS = 2  # a base + refiner workflow keeps both; a third checkpoint closes the oldest's engines
+
+
+def checkpoint_of(wid: str) -> str:
+    """``ckpt-0123456789`` of ``ckpt-0123456789+lora-…`` / ``….clip_l``: the checkpoint a weights id is of."""
+    return re.split(r"[.+]", wid, maxsplit=1)[0]
 
 
 @dataclass
@@ -43,6 +51,7 @@ class State:
         self._backend_name = backend
         self._backends: dict[str, Any] = {}
         self._engines: dict[tuple, Any] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()  # checkpoint ids, least recently used first
         self._said: set[str] = set()
         self.generation = 0
         self.job = Job()
@@ -110,6 +119,7 @@ class State:
         cache = self.cache()
         key = (wid, component, self.backend_name(), str(cache.root), self.generation)
         with self._lock:
+            self._touch(checkpoint_of(wid))
             if key not in self._engines:
                 found = None
                 for backend in self.backends_here():
@@ -122,6 +132,22 @@ class State:
                 else:
                     self._engines[key] = LdmEngines(wid, found) if component in (UNET, CONTROL_UNET) else found
             return self._engines[key]
+
+    def _touch(self, ckpt: str) -> None:
+        """Mark ``ckpt``'s engines used; close those of checkpoints used longer ago than the
+        KEPT_CHECKPOINTS most recent (ComfyUI unloads a checkpoint it moved away from too: engines
+        of every checkpoint of a session, with their refits, outgrew RAM in a real ComfyUI)."""
+        self._recent[ckpt] = None
+        self._recent.move_to_end(ckpt)
+        while len(self._recent) > KEPT_CHECKPOINTS:
+            old, _ = self._recent.popitem(last=False)
+            for key in [k for k in self._engines if checkpoint_of(k[0]) == old]:
+                engines = self._engines.pop(key)
+                if engines is not None:
+                    engines.close()
+            self.refits.drop(lambda where, old=old: checkpoint_of(str(where[0])) == old)
+            log.info("sd-accel: closed the engines of %s (those of the %d most recently used checkpoints stay "
+                     "loaded)", old, KEPT_CHECKPOINTS)
 
     def engines_or_reason(self, wid: str | None, component: str = UNET) -> tuple[Any, str | None]:
         """(engines, None), or (None, why not): never raises (it runs inside a model call)."""

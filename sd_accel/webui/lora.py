@@ -83,6 +83,14 @@ class LoraRefits:
         self._kept.clear()
         self._failed.clear()
 
+    def drop(self, which: Callable[[tuple], bool]) -> None:
+        """Close the refits of every ``where`` that ``which`` picks (their checkpoint is unloaded)."""
+        for where in [w for w in self._kept if which(w)]:
+            for refit in self._kept.pop(where).values():
+                refit.engines.close()
+        for key in [k for k in self._failed if which(k[0])]:
+            del self._failed[key]
+
     def get(self, where: tuple, loras: LoraSet) -> Refit | None:
         kept = self._kept.get(where)
         refit = kept.get(loras) if kept else None
