@@ -15,8 +15,10 @@ frontend's ``app.loadApiJson`` and queued, so the screenshot shows the finished 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,23 +48,24 @@ def main(argv: list[str] | None = None) -> int:
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1800, "height": 1000})
+        page = browser.new_page(viewport={"width": 2600, "height": 1000})
         page.goto(args.url)
         page.wait_for_function("() => window.app && window.app.graph", timeout=120_000)
         page.evaluate("(g) => window.app.loadApiJson(g, 'sd-accel workflow')", g)
         page.wait_for_timeout(1500)
-        page.evaluate("() => { const c = window.app.canvas; if (c.ds && c.ds.fitToBounds) {} }")
         page.evaluate("() => window.app.queuePrompt(0, 1)")
+        page.wait_for_timeout(3000)
         start = time.time()
-        # Done when the SaveImage node shows an image (the frontend's node output store).
-        while time.time() - start < args.timeout:
-            done = page.evaluate(
-                "() => { const n = window.app.graph.getNodeById(7); return !!(n && n.imgs && n.imgs.length); }")
-            if done:
+        while time.time() - start < args.timeout:  # done when ComfyUI's queue is empty again
+            with urllib.request.urlopen(f"{args.url}/queue", timeout=30) as r:
+                queue = json.loads(r.read())
+            if not queue["queue_running"] and not queue["queue_pending"]:
                 break
             page.wait_for_timeout(2000)
         else:
             raise SystemExit("the workflow did not finish in time")
+        page.mouse.click(900, 760)  # an empty spot of the canvas, then the frontend's "fit view" key
+        page.keyboard.press(".")
         page.wait_for_timeout(1500)
         page.screenshot(path=args.out)
         browser.close()
