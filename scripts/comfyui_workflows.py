@@ -11,8 +11,8 @@ into ``custom_nodes/``, sd-accel installed into ComfyUI's Python): start ComfyUI
 Each workflow runs in PyTorch (ComfyUI's own nodes) and on engines (sd-accel Apply Engines,
 sd-accel CLIP Text Encode, sd-accel VAE Decode / Encode), with the same seed; the script prints,
 per workflow, both times, ComfyUI's own s/it of the sampler (read from its log with ``--log``;
-else the whole run's seconds per step), the mean absolute difference of the two images (0-255) and its PSNR in dB,
-and sd-accel's console lines are in ComfyUI's log. Workflows: ``txt2img``; ``lora`` at two
+else the whole run's seconds per step), the mean absolute difference of the two images (0-255)
+and their PSNR in dB; sd-accel's console lines are in ComfyUI's log. Workflows: ``txt2img``; ``lora`` at two
 strengths (a refit each, never a rebuild); ``long`` (a 150-token prompt); ``img2img`` (VAE
 encode on engines); ``controlnet`` (ControlNetApplyAdvanced: the residuals go to the
 residual-taking UNet engine). Engines are built first by the sd-accel Build Engines node (reused

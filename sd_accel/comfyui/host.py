@@ -101,9 +101,7 @@ def source_of(obj: Any) -> str | None:
     (ComfyUI keeps serving the model it loaded before) gives None, so the weights in memory are
     fingerprinted instead of being keyed by the new file's hash."""
     tag = getattr(obj, SOURCE_ATTR, None)
-    if isinstance(tag, str):
-        return tag
-    if not tag:
+    if tag is None:
         return None
     path, stamp = tag
     return path if stamp is not None and _stamp(path) == stamp else None

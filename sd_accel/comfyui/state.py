@@ -1,9 +1,10 @@
 """The engines of this ComfyUI process: folder, backend, engines per weights id, LoRA refits.
 
 One :class:`State` per process (:func:`state`). Engines of a weights id stay loaded until the
-engine set changes (a build, a delete) or more than ``KEPT_CHECKPOINTS`` other checkpoints were used since; the UNet's (plain and residual-taking) come as the WebUI's
-:class:`~sd_accel.webui.runner.LdmEngines` (per-call choice, batch chunks, PyTorch for the
-rest, counted and said once per reason), the VAE's as the runtime's ``ComponentEngines``.
+engine set changes (a build, a delete) or ``KEPT_CHECKPOINTS`` other checkpoints were used since;
+the UNet's (plain and residual-taking) come as the WebUI's :class:`~sd_accel.webui.runner.LdmEngines`
+(per-call choice, batch chunks, PyTorch for the rest, counted and said once per reason), the VAE's
+as the runtime's ``ComponentEngines``.
 LoRA refits are the WebUI's (:class:`~sd_accel.webui.lora.LoraRefits`): the last few patch
 sets of each checkpoint stay refitted.
 """

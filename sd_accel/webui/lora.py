@@ -77,11 +77,7 @@ class LoraRefits:
 
     def close(self) -> None:
         """Close every refit (their scratch folders go); a later job refits again."""
-        for kept in self._kept.values():
-            for refit in kept.values():
-                refit.engines.close()
-        self._kept.clear()
-        self._failed.clear()
+        self.drop(lambda where: True)
 
     def drop(self, which: Callable[[tuple], bool]) -> None:
         """Close the refits of every ``where`` that ``which`` picks (their checkpoint is unloaded)."""
