@@ -122,8 +122,11 @@ def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
         # the backend's default precision may give way to fp32 where it misses its check; one asked for may not
         builder = AutoBuilder(pipe, cache, backend, _build_precision(backend, config.engine_precision),
                               fallback_precision="fp32" if config.engine_precision is None else None)
+    from sd_accel.models.source import shared_ids
+
+    shared = shared_ids(pipe, cache)  # a single-file checkpoint: the WebUI's and ComfyUI's engines of it serve too
     found = swap_engines(pipe, cache, backend, fallback=config.engine_fallback,
-                         prefer_precision=config.engine_precision, builder=builder)
+                         prefer_precision=config.engine_precision, builder=builder, shared=shared)
     if auto:
         log.info("engines='auto': %s engines found in %s; a call none covers builds one first",
                  sum(found.values()), cache.root)
@@ -145,7 +148,7 @@ def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
             except Exception:  # DeviceError: cannot run here; the next one may
                 continue
             found = swap_engines(pipe, cache, other, fallback=config.engine_fallback,
-                                 prefer_precision=config.engine_precision)
+                                 prefer_precision=config.engine_precision, shared=shared)
             if any(found.values()):
                 log.warning("engines=True, backend='auto': %s has no engine for this model on %s (auto's first "
                             "choice here); using its %s engines", cache.root, backend.name, name)

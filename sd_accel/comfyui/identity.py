@@ -18,48 +18,14 @@ checkpoint's engine, never a rebuild.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sd_accel.cache.file_hashes import checkpoint_id as file_checkpoint_id
 from sd_accel.comfyui import host
 from sd_accel.webui.identity import LoraSet, weights_id
-
-_HASHES = "comfyui-hashes.json"  # in the engine folder: (path, size, mtime) -> sha256
-
-
-def file_hash(path: str | Path, cache_dir: Path | None = None) -> str:
-    """sha256 of a file (hex), remembered in ``cache_dir`` by path, size and mtime (2 GB takes seconds)."""
-    path = Path(path)
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
-    store = Path(cache_dir) / _HASHES if cache_dir is not None else None
-    known: dict[str, str] = {}
-    if store is not None and store.is_file():
-        try:
-            known = json.loads(store.read_text())
-        except (OSError, ValueError):
-            known = {}
-    if key in known:
-        return known[key]
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    value = digest.hexdigest()
-    if store is not None:
-        known[key] = value
-        try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            tmp = store.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1))
-            tmp.replace(store)
-        except OSError:
-            pass
-    return value
 
 
 def checkpoint_id(module: Any, cache_dir: Path | None = None, fingerprint_of: torch.nn.Module | None = None) -> str:
@@ -67,7 +33,7 @@ def checkpoint_id(module: Any, cache_dir: Path | None = None, fingerprint_of: to
     ``fingerprint_of``'s weights (those must then be the unpatched ones)."""
     path = host.source_of(module)
     if path and Path(path).is_file():
-        return f"ckpt-{file_hash(path, cache_dir)[:10]}"
+        return file_checkpoint_id(path, cache_dir)
     from sd_accel.onnx.fingerprint import fingerprint
 
     return "fp-" + fingerprint(fingerprint_of if fingerprint_of is not None else module)[:10]

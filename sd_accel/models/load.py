@@ -113,6 +113,7 @@ def load_single_file(
     allow_pickle: bool = False,
 ) -> diffusers.DiffusionPipeline:
     """Load a WebUI-style single-file checkpoint with the shipped configs (no download)."""
+    original = path  # (a pickle is read from a converted copy; the engines of other faces know the file)
     suffix = path.suffix.lower()
     if suffix in PICKLE_SUFFIXES:
         path = _pickle_to_safetensors(path, allow_pickle)
@@ -144,6 +145,10 @@ def load_single_file(
         ) from exc
     if det.guidance_embedded:
         _load_guidance_embedding(pipe, path)
+    else:  # (an LCM UNet's guidance embedding is not in the file: no original-layout engine has it)
+        from sd_accel.models.source import tag_loaded
+
+        tag_loaded(pipe, original, family)  # the WebUI's and ComfyUI's engines of this file serve it
     pipe.sd_accel_model = ModelInfo(
         str(path), family, det.inpaint, pipe.scheduler.config.get("prediction_type", "epsilon")
     )

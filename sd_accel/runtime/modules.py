@@ -72,6 +72,16 @@ class EngineModule(ProxyModule):
         return value
 
     @property
+    def shared(self) -> dict[str, ComponentEngines]:
+        """The WebUI's and ComfyUI's engines of the checkpoint this module was loaded from
+        (``ldm_unet``, ``ldm_vae_decoder``, ``ldm_vae_encoder``), used for calls this module's own
+        engines do not cover, until its weights change (:mod:`sd_accel.models.source`)."""
+        return self.__dict__.setdefault("_shared", {})
+
+    def set_shared(self, shared: dict[str, ComponentEngines]) -> None:
+        self.__dict__["_shared"] = dict(shared)
+
+    @property
     def _weights(self) -> WeightsSnapshot:
         return self.__dict__["_weights"]
 
@@ -96,6 +106,11 @@ class EngineModule(ProxyModule):
             d["_touched"] = False  # (while otherwise stale, each call checks in full: it runs torch anyway)
             # only the full check sees changed values: remember them until a refit or a new swap
             d["_values_changed"] = what
+        if what is not None and d.get("_shared"):
+            # those engines hold the checkpoint's weights: never again for this module (a new swap decides)
+            log.info("%s: weights changed (%s); the engines of its checkpoint file serve it no more",
+                     _TITLES.get(next(iter(self.engines), ""), "module"), what)
+            d["_shared"] = {}
         if what is not None and self._refit_now():
             what = d["_weights"].changed(full=True)
         return None if what is None else f"{STALE} ({what}): {_WHAT_TO_DO}"
@@ -185,7 +200,8 @@ class EngineUNet(EngineModule):
                 except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
                     engines.torch_call(f"inputs the engine cannot take ({type(exc).__name__}: {exc})")
                 else:
-                    out = engines.run(feed, need=("latent",))
+                    shared = self._shared_for(feed)
+                    out = shared[0].run(shared[1], need=("latent",)) if shared else engines.run(feed, need=("latent",))
         finally:
             if scaled:  # torch (a fallback below) scales by itself
                 from diffusers.utils import unscale_lora_layers
@@ -218,6 +234,33 @@ class EngineUNet(EngineModule):
             return ("a LoRA scale in cross_attention_kwargs is not in the engine: refit_engines(pipe, auto=True) "
                     "serves it on the engines")
         return None
+
+    def _shared_for(self, feed: dict[str, torch.Tensor]) -> tuple[ComponentEngines, dict[str, torch.Tensor]] | None:
+        """The checkpoint's original-layout UNet engines (``ldm_unet``: the WebUI's, ComfyUI's) and
+        their feed, when they cover a call the pipeline's own engines do not."""
+        from sd_accel.components.ldm_unet import latent_ok
+
+        ldm = self.shared.get("ldm_unet")
+        if ldm is None or "timestep_cond" in feed or self.engines["unet"].covering(feed):
+            return None
+        x = feed["sample"]
+        ldm_feed = {"x": x, "timesteps": feed["timestep"], "context": feed["encoder_hidden_states"]}
+        if "text_embeds" in feed:
+            # the ADM vector of the original layout: what UNet2DConditionModel.get_aug_embed concatenates
+            # before add_embedding (the pooled text embedding, then each size/crop value embedded)
+            text = feed["text_embeds"]
+            times = self.torch_module.add_time_proj(feed["time_ids"].flatten()).reshape(text.shape[0], -1)
+            ldm_feed["y"] = torch.cat([text, times.to(text.dtype)], dim=-1)
+        hw = tuple(x.shape[-2:])
+
+        def fits(handle) -> bool:  # an engine traced at a divisible latent size serves only those
+            facts = (getattr(handle.record, "extra", None) or {}).get("webui") or {}
+            return latent_ok(hw, int(facts.get("latent_multiple") or 1))
+
+        covering = ldm.covering(ldm_feed)
+        if not any(fits(h) for h in covering):
+            return None
+        return (ldm if all(fits(h) for h in covering) else ldm.subset(fits)), ldm_feed
 
     def _feed(self, sample, timestep, ehs, added, timestep_cond=None) -> dict[str, torch.Tensor]:
         batch = sample.shape[0]
@@ -253,12 +296,57 @@ class EngineTextEncoder(EngineModule):
             engines.torch_call("attention_mask / position_ids / attentions are not in the engine")
         else:
             need = ("last_hidden_state", "text_embeds" if self.component == "clip2" else "pooler_output")
-            out = engines.run({"input_ids": input_ids.to(torch.int32)}, need=need)
+            feed = {"input_ids": input_ids.to(torch.int32)}
+            if engines.covering(feed) or not self.shared:
+                out = engines.run(feed, need=need)
+            else:
+                out = self._shared_run(feed, need)
         if out is None:
             return self.torch_fallback()(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                      output_attentions=output_attentions,
                                      output_hidden_states=output_hidden_states, return_dict=return_dict, **kwargs)
         return self._outputs(out, input_ids, bool(output_hidden_states), return_dict)
+
+    def _shared_run(self, feed: dict[str, torch.Tensor], need: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+        """The WebUI's (``ldm_clip``: the same inputs and outputs) or ComfyUI's (``comfy_clip``)
+        engine of the checkpoint's text encoder, where the pipeline's own engines do not cover
+        the call; None when it ran torch (counted)."""
+        webui = self.shared.get("ldm_clip")
+        if webui is not None and self.component == "clip" and webui.covering(feed):
+            return webui.run(feed, need=need)
+        comfy = self.shared.get("comfy_clip")
+        text_model = self._text_model()
+        embeds = text_model.embeddings.token_embedding(feed["input_ids"].long()).float() if comfy is not None else None
+        if comfy is None or not comfy.covering({"embeds": embeds}):
+            return self.engines[self.component].run(feed, need=need)  # (no engine: counted there)
+        out = comfy.run({"embeds": embeds}, need=("last", "hidden"))
+        return None if out is None else self._from_comfy(out, feed["input_ids"], embeds)
+
+    def _text_model(self) -> torch.nn.Module:
+        # transformers 5's CLIPTextModel is the text transformer itself; WithProjection (and 4.x) wrap it
+        return getattr(self.torch_module, "text_model", self.torch_module)
+
+    def _from_comfy(self, out: dict[str, torch.Tensor], ids: torch.Tensor, embeds: torch.Tensor) -> dict[str, torch.Tensor]:
+        """ComfyUI's CLIP engine outputs (``last``: after the final norm; ``hidden``: every layer's
+        output) as a transformers CLIP text model's. ComfyUI keeps all of SD 2.x's 24 layers where
+        diffusers' converted model may hold 23: then the last state is taken after layer 23."""
+        text_model = self._text_model()
+        layers = len(text_model.encoder.layers)
+        hidden = out["hidden"].float()
+        with torch.no_grad():
+            last = out["last"].float() if hidden.shape[1] == layers else text_model.final_layer_norm(hidden[:, layers - 1])
+            position = text_model.embeddings.position_embedding.weight[: ids.shape[1]].float()
+            eos = getattr(text_model, "eos_token_id", 2)
+            # transformers' pooled row: the first end-of-text token (the highest id, for configs of eos id 2)
+            rows = ids.argmax(dim=-1) if eos == 2 else (ids == eos).int().argmax(dim=-1)
+            pooled = last[torch.arange(last.shape[0]), rows]
+            result = {"last_hidden_state": last, "hidden_states.0": embeds + position}
+            result.update({f"hidden_states.{i + 1}": hidden[:, i] for i in range(layers)})
+            if self.component == "clip2":
+                result["text_embeds"] = self.torch_module.text_projection(pooled.to(self.torch_module.dtype)).float()
+            else:
+                result["pooler_output"] = pooled
+        return result
 
     def _outputs(self, out, like, hidden: bool, return_dict):
         from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -292,7 +380,12 @@ class EngineVAE(EngineModule):
         engines = self.engines.get("vae_decoder")
         sample = None
         if engines is not None and self._fresh(engines):
-            sample = self._per_item(engines, "latent", "images", z, check=self._finite("images"))
+            shared = self._shared_vae("ldm_vae_decoder", engines, "latent", z)
+            if shared is not None:  # the checkpoint's decoder engine: post_quant_conv (1x1) here
+                h = self._conv(getattr(self.torch_module, "post_quant_conv", None), z)
+                sample = self._per_item(shared, "z", "images", h, check=self._finite("images"))
+            else:
+                sample = self._per_item(engines, "latent", "images", z, check=self._finite("images"))
         if sample is None:
             return self.torch_fallback().decode(z, return_dict=return_dict, generator=generator, **kwargs)
         return DecoderOutput(sample=sample) if return_dict else (sample,)
@@ -306,7 +399,13 @@ class EngineVAE(EngineModule):
         from diffusers import AutoencoderTiny
 
         tiny = isinstance(self.torch_module, AutoencoderTiny)  # TAESD: latents, no distribution
-        moments = self._per_item(engines, "images", "latents" if tiny else "moments", x) if fresh else None
+        shared = self._shared_vae("ldm_vae_encoder", engines, "images", x) if fresh and not tiny else None
+        if shared is not None:  # the checkpoint's encoder engine: quant_conv (1x1) here
+            moments = self._per_item(shared, "images", "moments", x)
+            if moments is not None:
+                moments = self._conv(getattr(self.torch_module, "quant_conv", None), moments).to(moments.dtype)
+        else:
+            moments = self._per_item(engines, "images", "latents" if tiny else "moments", x) if fresh else None
         if moments is None:
             return self.torch_fallback().encode(x, return_dict=return_dict, **kwargs)
         if tiny:
@@ -315,6 +414,32 @@ class EngineVAE(EngineModule):
             return AutoencoderTinyOutput(latents=moments) if return_dict else (moments,)
         dist = DiagonalGaussianDistribution(moments)
         return AutoencoderKLOutput(latent_dist=dist) if return_dict else (dist,)
+
+    def _shared_vae(self, component: str, engines: ComponentEngines, name_in: str,
+                    x: torch.Tensor) -> ComponentEngines | None:
+        """The checkpoint's original-layout VAE engines (the WebUI's, ComfyUI's) for a call the
+        pipeline's own ``engines`` do not cover (one image, with slicing on)."""
+        shared = self.shared.get(component)
+        if shared is None:
+            return None
+        item = x[:1] if getattr(self.torch_module, "use_slicing", False) else x
+        if engines.covering({name_in: item}):
+            return None
+        if component.endswith("decoder"):
+            item = item.new_empty((item.shape[0], self._conv_out(item), *item.shape[2:]))
+        return shared if shared.covering({"z" if component.endswith("decoder") else "images": item}) else None
+
+    def _conv_out(self, z: torch.Tensor) -> int:
+        conv = getattr(self.torch_module, "post_quant_conv", None)
+        return int(conv.weight.shape[0]) if conv is not None else z.shape[1]
+
+    @staticmethod
+    def _conv(conv, x: torch.Tensor) -> torch.Tensor:
+        """A 1x1 quant conv in fp32 (its weights may be parked, fp16 or bf16), or ``x`` without one."""
+        if conv is None:
+            return x
+        bias = None if conv.bias is None else conv.bias.float()
+        return torch.nn.functional.conv2d(x.float(), conv.weight.float(), bias)
 
     def _fresh(self, engines: ComponentEngines) -> bool:
         reason = self.stale()

@@ -132,11 +132,32 @@ class ComponentEngines:
         self.handles = handles
         self.fallback_allowed = fallback
         self.prefer_precision = prefer_precision
-        self.stats = ComponentStats()
+        self._stats = ComponentStats()
+        self._counts_in: ComponentEngines | None = None
+        self._also: list[ComponentEngines] = []  # engines counting in this one (count_in)
         self.model: str | None = None  # the weights id the engines were found for (engines_for sets it)
         # engines="auto": called with (self, feed) when no engine covers a call; returns a new
         # handle that covers it, or the reason the call runs torch (see sd_accel.autobuild).
         self.builder: Callable[[ComponentEngines, dict[str, torch.Tensor]], EngineHandle | str] | None = None
+
+    @property
+    def stats(self) -> ComponentStats:
+        """Where the calls went; those of another component's engines when :meth:`count_in` said so."""
+        return self._counts_in.stats if self._counts_in is not None else self._stats
+
+    @stats.setter
+    def stats(self, value: ComponentStats) -> None:
+        self._stats = value
+
+    def count_in(self, other: ComponentEngines) -> None:
+        """Count this one's calls in ``other``'s stats (now and after ``other.reset_stats()``): the
+        WebUI's and ComfyUI's engines serving a pipeline's UNet count as the UNet's calls."""
+        self._counts_in = other
+        other._also.append(self)
+
+    def covering(self, feed: dict[str, torch.Tensor]) -> list[EngineHandle]:
+        """The usable engines whose profile covers ``feed`` (nothing is loaded or counted)."""
+        return [h for h in self.handles if h.broken is None and covers(h.shapes, feed)]
 
     def set_fallback(self, allowed: bool) -> None:
         """On: a call no engine covers runs torch (counted, said once). Off: it raises EngineError."""
@@ -144,7 +165,7 @@ class ComponentEngines:
 
     def reset_stats(self) -> ComponentStats:
         """Start new counters (a new job); returns the old ones."""
-        old, self.stats = self.stats, ComponentStats()
+        old, self._stats = self._stats, ComponentStats()
         return old
 
     def subset(self, keep: Callable[[EngineHandle], bool]) -> ComponentEngines:
@@ -188,7 +209,8 @@ class ComponentEngines:
             candidates = [built]
         if not candidates:
             got = ", ".join(f"{k}={tuple(v.shape)}" for k, v in feed.items())
-            reason = (f"no engine covers {got}" if live else "no usable engine for this model")
+            others = any(h.broken is None for e in self._also for h in e.handles)
+            reason = (f"no engine covers {got}" if live or others else "no usable engine for this model")
             return self._fallback(reason)
         failures: list[str] = []
         skipped: list[tuple[str, str]] = []

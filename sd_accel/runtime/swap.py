@@ -53,7 +53,7 @@ def torch_modules(pipe):
 
 def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: str | None = None, *,
                  builder: Callable[[ComponentEngines, dict], Any] | None = None,
-                 park_weights: bool = True) -> dict[str, int]:
+                 park_weights: bool = True, shared: dict[str, dict[str, str]] | None = None) -> dict[str, int]:
     """Replace each module that has engines in ``cache`` with its engine-backed stand-in.
     ``prefer_precision``: engines of that precision are tried first (``AccelConfig.engine_precision``).
 
@@ -62,6 +62,11 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
     builder for an engine of its shape first. ``park_weights``: the torch weights of a module served by engines cost
     no resident memory until a fallback uses them (memory-mapped from their files or a spill
     file: :mod:`sd_accel.runtime.weights`), and hashing the modules leaves none resident.
+
+    ``shared``: component (``unet``, ``vae_decoder``, ``clip`` ...) -> {the WebUI's or ComfyUI's
+    component: its weights id} for modules that hold a checkpoint file's weights
+    (:func:`sd_accel.models.source.shared_ids`): those engines serve the calls the pipeline's own
+    engines do not cover, counted as that component's calls.
 
     Returns how many usable engines each component got. Components without engines stay torch
     (unless ``builder``); engines of another arch or backend version are never loaded, and the
@@ -93,10 +98,13 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
                                              prefer_precision=prefer_precision)
             engines[component].builder = builder
             found[component] = len(engines[component].handles)
-        served = any(e.handles for e in engines.values())
+        others = _shared_engines(cache, backend, engines, shared or {}, fallback, prefer_precision)
+        found.update({name: len(e.handles) for name, e in others.items()})
+        served = any(e.handles for e in engines.values()) or bool(others)
         if not engines or not (served or builder is not None):
             continue
         wrapper = _wrap(slot, module, engines)
+        wrapper.set_shared(others)
         _set(pipe, slot, wrapper)
         if served and park_weights:
             park(module, cache.root, slot)
@@ -105,6 +113,25 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
     _guard_save(pipe)
     log.info("engines swapped in: %s%s", found, " (more are built on first use)" if builder is not None else "")
     return found
+
+
+def _shared_engines(cache, backend, engines: dict[str, ComponentEngines], shared: dict[str, dict[str, str]],
+                    fallback: bool, prefer_precision: str | None) -> dict[str, ComponentEngines]:
+    """The WebUI's and ComfyUI's engines (``ldm_unet``, ``ldm_vae_*``, ``ldm_clip``, ``comfy_clip``)
+    of the weights ids in ``shared`` (:func:`sd_accel.models.source.shared_ids`), for the
+    components in ``engines``; each counts its calls in that component's stats."""
+    out: dict[str, ComponentEngines] = {}
+    for component, others in shared.items():
+        if component not in engines:
+            continue
+        for other, model in others.items():
+            found = engines_for(cache, backend, model, other, fallback=fallback, prefer_precision=prefer_precision)
+            if found.handles:
+                found.count_in(engines[component])
+                out[other] = found
+                log.info("%s: the %d %s engine(s) of %s, built by the WebUI or ComfyUI, serve it too",
+                         component, len(found.handles), other, model)
+    return out
 
 
 def _swap_controlnets(pipe, control: dict, cache, backend, fallback: bool, prefer_precision: str | None,
@@ -231,7 +258,7 @@ def set_fallback(pipe, allowed: bool) -> None:
     for slot in SLOTS:
         module = getattr(pipe, slot, None)
         if isinstance(module, EngineModule):
-            for engines in module.engines.values():
+            for engines in (*module.engines.values(), *module.shared.values()):
                 engines.set_fallback(allowed)
     for wrapper in controlnet_wrappers(pipe):
         for engines in wrapper.engines.values():

@@ -545,6 +545,9 @@ class PanelState:
         component, profile, backend and precision, from ``model``. An extension point: a host
         (the WebUI tab) overrides it to rebuild its own engines from its own model."""
         key = record.key
+        if key.component.startswith(("ldm_", "comfy_")):
+            raise InvalidValue(f"engine {record.name} was built by the WebUI or ComfyUI from their own modules: rebuild "
+                               "it there (here it serves a pipeline loaded from the same checkpoint file)")
         return BuildRequest(profile=Profile.from_tag(key.profile), model=model, components=(key.component,),
                             backend=key.backend, precision=key.precision)
 
