@@ -103,6 +103,9 @@ def test_usage_text_names_engine_or_torch_per_component():
         "vae_encoder": "not called",
     }
     assert usage_text({}, {}, {}, False) == {"all": "torch (engines off)"}
+    # ComfyUI's UNet engine of the checkpoint served the calls: counted as the UNet's, not a row of its own
+    shared = usage_text({}, {"unet": after["unet"]}, {"unet": 0, "ldm_unet": 1, "comfy_clip": 1}, True)
+    assert shared == {"unet": "engine (7 calls) + torch (1 call: no engine covers x)"}
 
 
 # --------------------------------------------------------------------------- build, table, generate
@@ -485,3 +488,77 @@ def test_latent2rgb_maps_latents_to_rgb_per_family():
     assert torch.allclose(rgb, (torch.tensor(LATENT_RGB["sd15"][0][3]) + 1) / 2)
     assert latent_to_rgb(torch.full((1, 4, 1, 1), 50.0)).max() <= 1.0  # clamped
     assert [preview_every(n) for n in (1, 4, 20, 150)] == [1, 1, 5, 5]
+
+
+# --------------------------------------------------------------------------- ControlNet units
+
+
+@pytest.fixture(scope="module")
+def controlnet_file(tmp_path_factory) -> Path:
+    """A tiny random SD 1.5 ControlNet in the original single-file layout (``control_model.*``)."""
+    from sd_accel import load_pipeline
+    from sd_accel.models.tiny_controlnet import tiny_controlnet
+
+    from support.controlnet_layout import save_controlnet_file
+
+    folder = tmp_path_factory.mktemp("ui-controlnet")
+    return save_controlnet_file(tiny_controlnet(load_pipeline("builtin:tiny-sd15").unet), folder / "cn.safetensors")
+
+
+def _hint(size: int = 64):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray((rng.random((size, size, 3)) * 255).astype("uint8"))
+
+
+def test_a_controlnet_unit_reaches_the_pipeline_as_the_api_runs_it(tmp_path, controlnet_file):
+    import numpy as np
+
+    from sd_accel import accelerate, load_pipeline
+    from sd_accel.generate import generate
+    from sd_accel.models.controlnet import with_controlnets
+    from sd_accel.ui.state import ControlUnit, control_arguments
+
+    state = PanelState(engine_dir=str(tmp_path / "engines"), backend="onnxruntime")
+    unit = ControlUnit(str(controlnet_file), _hint(), scale=0.8, preprocess="canny", start=0.0, end=0.5)
+    got = state.generate(_tiny_request(engines=False, controlnets=(unit,)))
+    api = with_controlnets(load_pipeline("builtin:tiny-sd15"), [str(controlnet_file)])
+    api = accelerate(api, engines=False, sampler="Euler", precision=state.precision)  # the panel's torch options
+    want = generate(api, _tiny_request().params(), control_arguments((unit,))).images
+    assert np.abs(np.asarray(got.images[0], float) - np.asarray(want[0], float)).max() <= 2
+    assert "ControlNet `cn.safetensors` (canny, weight 0.8, steps 0-0.5)" in got.report()
+    plain = state.generate(_tiny_request(engines=False)).images[0]
+    assert np.abs(np.asarray(plain, float) - np.asarray(got.images[0], float)).mean() > 1  # the net acts
+
+
+@pytest.mark.parametrize("unit, message", [
+    (dict(model="", image="hint"), "has a control image but no ControlNet"),
+    (dict(model="cn", image=None), "has no control image"),
+    (dict(model="cn", image="hint", start=0.6, end=0.4), "start 0.6 must be below end 0.4"),
+    (dict(model="cn", image="hint", scale=3.0), "weight 3.0 must be a number from 0 to 2"),
+    (dict(model="cn", image="hint", preprocess="depth"), "preprocessor 'depth' is not one of none, canny"),
+])
+def test_a_bad_controlnet_unit_is_refused_before_a_model_loads(tmp_path, unit, message):
+    from sd_accel.ui.state import ControlUnit
+
+    state = PanelState(engine_dir=str(tmp_path))
+    with pytest.raises(InvalidValue, match=re.escape(message)) as err:
+        state.generate(_tiny_request(controlnets=(ControlUnit(**unit),)))
+    assert "ControlNet unit 1" in str(err.value) and not state._pipes
+
+
+@pytest.mark.slow
+def test_controlnet_units_run_on_engines_built_on_first_use(tmp_path, controlnet_file):
+    """engines "auto": the ControlNet and the residual-taking UNet are built on first use and the report
+    names them; two units (the same net twice, another weight) share the one residual UNet engine."""
+    from sd_accel.ui.state import ControlUnit
+
+    state = PanelState(engine_dir=str(tmp_path / "engines"), backend="onnxruntime")
+    units = (ControlUnit(str(controlnet_file), _hint()), ControlUnit(str(controlnet_file), _hint(), scale=0.5))
+    out = state.generate(_tiny_request(engines="auto", controlnets=units))
+    assert out.usage["unet_control"].startswith("engine (2 calls)"), out.usage
+    assert any(k.startswith("controlnet") and v.startswith("engine") for k, v in out.usage.items()), out.usage
+    components = {r.key.component for r in state.cache().list()}
+    assert {"controlnet", "unet_control"} <= components

@@ -38,6 +38,8 @@ SHARED: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
     "text_encoder": {"clip": (("ldm_clip", ""), ("comfy_clip", ".{encoder}"))},
     "text_encoder_2": {"clip2": (("comfy_clip", ".{encoder}"),)},
 }
+# every such component name: they serve a pipeline's components, whose stats count their calls
+SHARED_COMPONENTS = frozenset(other for slot in SHARED.values() for pairs in slot.values() for other, _ in pairs)
 
 
 def encoder_name(family: str, slot: str) -> str:
@@ -150,4 +152,4 @@ def shared_ids(pipe: Any, cache: Any) -> dict[str, dict[str, str]]:
     return out
 
 
-__all__ = ["SHARED", "CheckpointSource", "encoder_name", "shared_ids", "source_of", "tag_loaded"]
+__all__ = ["SHARED", "SHARED_COMPONENTS", "CheckpointSource", "encoder_name", "shared_ids", "source_of", "tag_loaded"]

@@ -99,7 +99,8 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
             engines[component].builder = builder
             found[component] = len(engines[component].handles)
         others = _shared_engines(cache, backend, engines, shared or {}, fallback, prefer_precision)
-        found.update({name: len(e.handles) for name, e in others.items()})
+        for name, e in others.items():  # (comfy_clip serves clip and clip2: counted together)
+            found[name] = found.get(name, 0) + len(e.handles)
         served = any(e.handles for e in engines.values()) or bool(others)
         if not engines or not (served or builder is not None):
             continue

@@ -159,6 +159,7 @@ def _generate_tab(state: PanelState, model: gr.Textbox, tiny_vae: gr.Textbox) ->
                 # auto: a size no engine covers gets one built first (cached); cached: only built ones
                 use_engines = gr.Dropdown(list(ENGINE_MODES), value="auto", label="Engines (auto: build on first use)",
                                           elem_id="sd-accel-use-engines")
+            units = _control_units()
             button = gr.Button("Generate", variant="primary", elem_id="sd-accel-generate")
         with gr.Column(scale=2):
             gallery = gr.Gallery(label="Images", columns=2, height=400, elem_id="sd-accel-gallery")
@@ -166,7 +167,7 @@ def _generate_tab(state: PanelState, model: gr.Textbox, tiny_vae: gr.Textbox) ->
 
     def on_generate(model_text, prompt_text, negative_text, sampler_name, n_steps, cfg_scale, w, h, n,
                     seed_value, attention_name, precision_name, offload_name, engines_on, tiny_vae_text,
-                    preview_mode) -> Iterator[tuple[list, str]]:
+                    preview_mode, *unit_values) -> Iterator[tuple[list, str]]:
         # The numbers go as the widgets give them: GenerationParams (through state.generate)
         # is the one place that checks them, with the same messages as the CLI.
         req = GenerateRequest(
@@ -177,6 +178,7 @@ def _generate_tab(state: PanelState, model: gr.Textbox, tiny_vae: gr.Textbox) ->
             seed=0 if seed_value is None else seed_value, attention=attention_name, precision=precision_name,
             offload=offload_name, engines=engines_on if isinstance(engines_on, bool) else (engines_on or "off"),
             tiny_vae=tiny_vae_text or None, preview=preview_mode or "off",
+            controlnets=_units_in_use(unit_values),
         )
         try:
             for item in state.generate_stream(req):
@@ -188,9 +190,54 @@ def _generate_tab(state: PanelState, model: gr.Textbox, tiny_vae: gr.Textbox) ->
             yield [], f"**Error**: {exc}"
 
     inputs = [model, prompt, negative, sampler, steps, cfg, width, height, batch, seed, attention, precision,
-              offload, use_engines, tiny_vae, preview]
+              offload, use_engines, tiny_vae, preview, *units]
     button.click(on_generate, inputs, [gallery, report], **_event_kwargs(button.click, heavy=True))
     return precision
+
+
+CONTROL_UNITS = 2  # units shown in the Generate tab; more nets: the CLI, the API, the service
+_UNIT_FIELDS = 6  # model, image, preprocessor, weight, start, end
+
+
+def _control_units() -> list[Any]:
+    """The ControlNet units' widgets, :data:`_UNIT_FIELDS` per unit, in one closed accordion."""
+    from sd_accel.ui.state import CONTROL_PREPROCESSORS
+
+    widgets: list[Any] = []
+    with gr.Accordion("ControlNet", open=False, elem_id="sd-accel-controlnet"):
+        for i in range(1, CONTROL_UNITS + 1):
+            with gr.Row():
+                with gr.Column(scale=2):
+                    net = gr.Textbox(value="", label=f"ControlNet {i}: file or folder (empty: off)",
+                                     placeholder="control_v11p_sd15_canny.safetensors or a diffusers folder",
+                                     elem_id=f"sd-accel-cn{i}-model")
+                    with gr.Row():
+                        prep = gr.Dropdown(list(CONTROL_PREPROCESSORS), value="none", label="Preprocessor",
+                                           elem_id=f"sd-accel-cn{i}-preprocess")
+                        weight = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="Weight",
+                                           elem_id=f"sd-accel-cn{i}-weight")
+                    with gr.Row():
+                        start = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Start",
+                                          elem_id=f"sd-accel-cn{i}-start")
+                        end = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="End", elem_id=f"sd-accel-cn{i}-end")
+                image = gr.Image(type="pil", label=f"Control image {i}", height=200, elem_id=f"sd-accel-cn{i}-image")
+            widgets += [net, image, prep, weight, start, end]
+    return widgets
+
+
+def _units_in_use(values: tuple) -> tuple:
+    """ControlUnits of the units with a ControlNet or an image (a unit with one only is refused by
+    its check, with what is missing)."""
+    from sd_accel.ui.state import ControlUnit
+
+    out = []
+    for i in range(0, len(values), _UNIT_FIELDS):
+        net, image, prep, weight, start, end = values[i:i + _UNIT_FIELDS]
+        if (net or "").strip() or image is not None:
+            out.append(ControlUnit(model=(net or "").strip(), image=image, preprocess=prep or "none",
+                                   scale=1.0 if weight is None else weight, start=0.0 if start is None else start,
+                                   end=1.0 if end is None else end))
+    return tuple(out)
 
 
 def _engines_tab(state: PanelState, model: gr.Textbox, tiny_vae: gr.Textbox, status: Any = None) -> dict[str, Any]:

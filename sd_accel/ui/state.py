@@ -165,6 +165,63 @@ class BuildUpdate:
     records: list = field(default_factory=list)
 
 
+CONTROL_PREPROCESSORS = ("none", "canny")  # sd_accel.models.hints.PREPROCESSORS, without importing PIL here
+
+
+@dataclass
+class ControlUnit:
+    """One ControlNet unit of the Generate tab: a ControlNet (a ``.safetensors`` file of the
+    original layout or a diffusers folder), its hint image (a PIL image or a path), made from the
+    image by ``preprocess`` (``none``: the image is the hint; ``canny``: built in), its weight and
+    the part of the steps it acts in (``start``..``end``, fractions as the WebUI's "Guidance")."""
+
+    model: str
+    image: Any
+    scale: float = 1.0
+    preprocess: str = "none"
+    start: float = 0.0
+    end: float = 1.0
+
+    def describe(self) -> str:
+        """``cn.safetensors`` (canny, weight 0.8, steps 0-0.5): for the report."""
+        from pathlib import Path
+
+        return (f"`{Path(str(self.model)).name}` ({self.preprocess}, weight {float(self.scale):g}, "
+                f"steps {float(self.start):g}-{float(self.end):g})")
+
+    def check(self, index: int) -> None:
+        """InvalidValue naming the unit and the field, before anything is loaded."""
+        name = f"ControlNet unit {index + 1}"
+        if not str(self.model or "").strip():
+            raise InvalidValue(f"{name} has a control image but no ControlNet: give its file or folder, or clear the "
+                               "image")
+        if self.image is None:
+            raise InvalidValue(f"{name} ({self.model}) has no control image: upload one (or clear the ControlNet)")
+        if self.preprocess not in CONTROL_PREPROCESSORS:
+            raise InvalidValue(f"{name}: preprocessor {self.preprocess!r} is not one of {', '.join(CONTROL_PREPROCESSORS)}")
+        for label, value, lo, hi in (("weight", self.scale, 0.0, 2.0), ("start", self.start, 0.0, 1.0),
+                                     ("end", self.end, 0.0, 1.0)):
+            if not isinstance(value, int | float) or not lo <= float(value) <= hi:
+                raise InvalidValue(f"{name}: {label} {value!r} must be a number from {lo:g} to {hi:g}")
+        if float(self.start) >= float(self.end):
+            raise InvalidValue(f"{name}: start {self.start:g} must be below end {self.end:g}")
+
+
+def control_arguments(units: tuple[ControlUnit, ...]) -> dict[str, Any]:
+    """The ControlNet pipeline's call arguments for ``units`` (one net: plain values, several: lists)."""
+    from PIL import Image
+
+    from sd_accel.models.hints import preprocess
+
+    hints = [preprocess(u.image if isinstance(u.image, Image.Image) else Image.open(u.image), u.preprocess)
+             for u in units]
+    one = len(units) == 1
+    return {"image": hints[0] if one else hints,
+            "controlnet_conditioning_scale": float(units[0].scale) if one else [float(u.scale) for u in units],
+            "control_guidance_start": float(units[0].start) if one else [float(u.start) for u in units],
+            "control_guidance_end": float(units[0].end) if one else [float(u.end) for u in units]}
+
+
 @dataclass
 class GenerateRequest:
     """What the Generate button asks for; ``sampler`` None keeps the model's scheduler.
@@ -189,6 +246,7 @@ class GenerateRequest:
     engines: bool | str = True  # True / "cached", "auto", False / "off" (see ENGINE_MODES)
     tiny_vae: str | None = None  # a TAESD path (see tiny_vae_choice); None or "": the model's own VAE
     preview: str = "auto"  # live previews of generate_stream: one of PREVIEW_MODES
+    controlnets: tuple[ControlUnit, ...] = ()  # the ControlNet units in use (empty ones left out)
 
     def params(self) -> GenerationParams:
         """The request as a :class:`~sd_accel.generate.GenerationParams`, which checks every value.
@@ -234,6 +292,7 @@ class GenerateOutcome:
     summary: dict[str, Any]
     seed: int = 0  # the seed used (a drawn one when the request said -1)
     vae: str | None = None  # AccelConfig.vae of the run ("tiny:PATH"), None: the model's own
+    controlnets: tuple[str, ...] = ()  # one line per ControlNet unit used
 
     def report(self) -> str:
         """Markdown for the panel: time, it/s, then one row per component, "engine" or "torch"."""
@@ -241,6 +300,8 @@ class GenerateOutcome:
                 f"{self.unet_calls} UNet calls, {len(self.images)} image(s), seed {self.seed}")
         if self.vae:
             head += f"\n\nDecoded with the tiny VAE (TAESD) `{self.vae[len('tiny:'):]}`"
+        for line in self.controlnets:
+            head += f"\n\nControlNet {line}"
         rows = "\n".join(f"| {c} | {u} |" for c, u in self.usage.items())
         return f"{head}\n\n| component | ran on |\n|---|---|\n{rows}"
 
@@ -256,10 +317,14 @@ def usage_text(before: dict[str, dict], after: dict[str, dict], engines_found: d
     ``before``/``after`` are ``stats(pipe)`` around the run (counters accumulate over runs, so
     the difference is this run's). A component without a stand-in module ran torch.
     """
+    from sd_accel.models.source import SHARED_COMPONENTS
+
     if not engines_on:
         return {"all": "torch (engines off)"}
     out: dict[str, str] = {}
     for comp in sorted(set(engines_found) | set(after)):
+        if comp in SHARED_COMPONENTS and comp not in after:
+            continue  # the WebUI's / ComfyUI's engines of the checkpoint: their calls count as unet's, clip's ...
         now, old = after.get(comp), before.get(comp, {})
         if now is None:
             out[comp] = "torch (no engine for this model; build one in the Engines tab)"
@@ -361,8 +426,9 @@ class PanelState:
         """Engines were built or deleted: engine-backed pipelines re-swap before their next run."""
         self._engines_version += 1
 
-    def pipeline(self, model: str, config=None):
-        """A loaded pipeline for ``(model, config)``, from the cache when there (LRU, see class doc).
+    def pipeline(self, model: str, config=None, controlnets: tuple[str, ...] = ()):
+        """A loaded pipeline for ``(model, config)``, from the cache when there (LRU, see class doc);
+        with ``controlnets`` (paths), the model's ControlNet pipeline with those nets.
 
         ``config`` None is the plain loaded pipeline (what builds export from). A cached
         engine-backed pipeline is accelerated again when engines changed since, so that it
@@ -370,12 +436,16 @@ class PanelState:
         """
         from sd_accel import accelerate, load_pipeline
 
-        key = (model, _config_key(config))
+        key = (model, _config_key(config), *controlnets)
         entry = self._pipes.get(key)
         if entry is None:
             while len(self._pipes) >= max(1, self.max_pipelines):
                 self._pipes.popitem(last=False)  # drop first: two big models may not fit together
             pipe = load_pipeline(model)
+            if controlnets:
+                from sd_accel.models.controlnet import with_controlnets
+
+                pipe = with_controlnets(pipe, list(controlnets))  # (a family mismatch: InvalidValue, shown)
             if config is not None:
                 pipe = accelerate(pipe, config)
             entry = self._pipes[key] = [pipe, self._engines_version]
@@ -411,6 +481,8 @@ class PanelState:
         params = req.params()  # InvalidValue for a bad number, before any model is loaded
         if req.preview not in PREVIEW_MODES:
             raise InvalidValue(f"preview {req.preview!r} is not one of {', '.join(PREVIEW_MODES)}")
+        for i, unit in enumerate(req.controlnets):
+            unit.check(i)
         if self.building:
             raise Busy("Engines are being built; generate when the build ends, or cancel it.")
         config = AccelConfig(
@@ -429,8 +501,9 @@ class PanelState:
         from sd_accel.generate import generate
         from sd_accel.preview import preview_callback, takes_step_callback
 
-        pipe = self.pipeline(req.model, config)
-        extra = {}
+        nets = tuple(str(u.model).strip() for u in req.controlnets)
+        extra = control_arguments(req.controlnets) if nets else {}  # (a bad image: raised before any load)
+        pipe = self.pipeline(req.model, config, nets)
         if on_preview is not None and takes_step_callback(pipe):
             size = (params.width, params.height) if params.width and params.height else None
             extra["callback_on_step_end"] = preview_callback(on_preview, mode=req.preview, steps=params.steps,
@@ -443,6 +516,7 @@ class PanelState:
             images=result.images, seconds=result.seconds, it_per_s=result.it_per_s, steps=result.steps,
             unet_calls=result.unet_calls, usage=usage_text(before, after, found, config.engines is not False),
             summary=pipe.sd_accel.summary(), seed=result.seed, vae=config.vae,
+            controlnets=tuple(u.describe() for u in req.controlnets),
         )
 
     def _stream(self, req: GenerateRequest, params: GenerationParams, config) -> Iterator[Preview | GenerateOutcome]:
@@ -545,9 +619,6 @@ class PanelState:
         component, profile, backend and precision, from ``model``. An extension point: a host
         (the WebUI tab) overrides it to rebuild its own engines from its own model."""
         key = record.key
-        if key.component.startswith(("ldm_", "comfy_")):
-            raise InvalidValue(f"engine {record.name} was built by the WebUI or ComfyUI from their own modules: rebuild "
-                               "it there (here it serves a pipeline loaded from the same checkpoint file)")
         return BuildRequest(profile=Profile.from_tag(key.profile), model=model, components=(key.component,),
                             backend=key.backend, precision=key.precision)
 
@@ -667,7 +738,11 @@ def _components_of(pipe, wanted: tuple[str, ...]) -> tuple[list[str], list[str]]
 def _check_same_model(pipe, record) -> None:
     """ValueError unless ``record`` was built from this pipeline's weights (see ``rebuild``)."""
     from sd_accel.build import built_from
+    from sd_accel.models.source import SHARED_COMPONENTS
 
+    if record.key.component in SHARED_COMPONENTS or record.key.component.startswith("ldm_"):
+        raise InvalidValue(f"engine {record.name} was built by the WebUI or ComfyUI from their own modules: rebuild "
+                           "it there (here it serves a pipeline loaded from the same checkpoint file)")
     if not built_from(pipe, record):
         raise InvalidValue(
             f"engine {record.name} was built from another model than the one picked; pick that model "
