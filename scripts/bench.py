@@ -102,6 +102,7 @@ class Recipe:
     tiny_vae: bool = False
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     about: str = ""
+    controlnet: bool = False  # one ControlNet of the architecture (random weights) and a fixed hint
 
 
 _LCM_SCHEDULER = {"_class_name": "LCMScheduler", "timestep_spacing": "leading", "original_inference_steps": 50}
@@ -121,7 +122,13 @@ RECIPES = {
         "model_index.json": {"scheduler": ["diffusers", "EulerDiscreteScheduler"]},
     }, about="SD-Turbo's shape (SD 2.1-base UNet and OpenCLIP-H text encoder), Euler trailing, 1 step, "
              "CFG 0, TAESD"),
+    # issue 28's row: a ControlNet beside the default recipe; its engines are the ControlNet and the
+    # residual-taking UNet (every UNet call carries residuals), float only (no int8 ControlNet yet)
+    "controlnet": Recipe("controlnet", arch="sd15", controlnet=True, about="SD 1.5 + one ControlNet (the SD 1.5 "
+                         "ControlNet architecture, random weights, non-zero residuals; a fixed edge-map hint), PNDM "
+                         "20 steps, CFG 7.5, the full VAE"),
 }
+CONTROL_VARIANTS = ("diffusers", "openvino-bf16", "openvino-fp32", "ort-fp32")  # what the controlnet recipe can run
 
 
 @dataclass
@@ -145,6 +152,7 @@ class BenchConfig:
     recipe: str = "default"  # a key of RECIPES
     guidance_scale: float = 7.5
     tiny_vae: str = ""  # a TAESD folder that decodes instead of the model's VAE (every row)
+    controlnet: str = ""  # a ControlNet folder every row runs (the controlnet recipe)
 
     @property
     def cfg_rows(self) -> bool:
@@ -163,6 +171,7 @@ class RowResult:
     unet_ms: float | None = None
     unet_ms_spread: tuple[float, float] | None = None
     vae_ms: float | None = None
+    controlnet_ms: float | None = None  # the controlnet recipe: per ControlNet call
     it_s: float | None = None
     s_per_image: float | None = None
     s_per_image_spread: tuple[float, float] | None = None
@@ -190,7 +199,7 @@ class _Timer:
 
     def __init__(self, pipe, cuda: bool) -> None:
         self.cuda = cuda
-        self.times: dict[str, list[float]] = {"clip": [], "unet": [], "vae": []}
+        self.times: dict[str, list[float]] = {"clip": [], "unet": [], "vae": [], "controlnet": []}
         self._handles: list[Any] = []
         self._starts: dict[str, float] = {}
         self._pipe = pipe
@@ -250,15 +259,31 @@ class _Timer:
 def _timed_modules(pipe) -> list[tuple[str, Any]]:
     """(timer name, module): both text encoders of SDXL count as CLIP (they run one after the other)."""
     encoders = [m for m in (getattr(pipe, "text_encoder", None), getattr(pipe, "text_encoder_2", None)) if m is not None]
-    return [*(("clip", m) for m in encoders), ("unet", pipe.unet)]
+    net = getattr(pipe, "controlnet", None)
+    return [*(("clip", m) for m in encoders), ("unet", pipe.unet), *([("controlnet", net)] if net is not None else [])]
+
+
+def control_hint(size: tuple[int, int]):
+    """The controlnet recipe's hint: white edges of a few circles and lines on black, as a canny map looks."""
+    from PIL import Image, ImageDraw
+
+    w, h = size
+    img = Image.new("RGB", (w, h))
+    draw = ImageDraw.Draw(img)
+    for i in range(1, 5):
+        r = min(w, h) * i // 10
+        draw.ellipse((w // 2 - r, h // 2 - r, w // 2 + r, h // 2 + r), outline="white", width=2)
+    draw.line((0, h - 1, w - 1, 0), fill="white", width=2)
+    return img
 
 
 def _generate(pipe, cfg: BenchConfig, steps: int):
     import torch
 
     g = torch.Generator("cpu").manual_seed(cfg.seed)
+    extra = {"image": control_hint((cfg.width, cfg.height))} if cfg.controlnet else {}
     return pipe(cfg.prompt, height=cfg.height, width=cfg.width, num_inference_steps=steps, generator=g,
-                guidance_scale=cfg.guidance_scale, output_type="np").images[0]
+                guidance_scale=cfg.guidance_scale, output_type="np", **extra).images[0]
 
 
 def _peak_ram_gb() -> float:
@@ -371,10 +396,15 @@ def _du_gb(*paths: Path) -> float:
     return round(sum(f.stat().st_size for f in files) / 2**30, 3)
 
 
-def _engine_jobs(variant: str, available: Sequence[str] = ENGINE_COMPONENTS) -> list[tuple[str, str, list[str]]]:
+def _engine_jobs(variant: str, available: Sequence[str] = ENGINE_COMPONENTS,
+                 control: bool = False) -> list[tuple[str, str, list[str]]]:
     """(backend, precision, components) builds a row needs, of the ``available`` components (the
-    pipeline's: SD 1.x has no ``clip2``)."""
+    pipeline's: SD 1.x has no ``clip2``); ``control``: a ControlNet pipeline, whose UNet calls all
+    carry residuals: the ControlNet and the residual-taking UNet instead of the plain UNet."""
     backend, precision = ENGINES[variant]
+    if control:
+        return [(backend, precision, [*(c for c in ENGINE_COMPONENTS if c in available and c != "unet"),
+                                      "controlnet", "unet_control"])]
     if precision.startswith("int8"):
         # the float components of an INT8 row: the same backend at its default float precision
         from sd_accel.backends.registry import create
@@ -407,6 +437,10 @@ def load_model(cfg: BenchConfig):
     from sd_accel.api import use_vae
 
     pipe = load_pipeline(cfg.model)
+    if cfg.controlnet:
+        from sd_accel import with_controlnets
+
+        pipe = with_controlnets(pipe, [cfg.controlnet])
     pipe.set_progress_bar_config(disable=True)
     if cfg.tiny_vae:
         use_vae(pipe, _vae_choice(cfg))
@@ -426,7 +460,7 @@ def build_row(cfg: BenchConfig, variant: str) -> dict[str, Any]:
     profile = dict(batch=1, height=cfg.height, width=cfg.width, **({} if cfg.cfg_rows else {"cfg": False}))
     start = time.perf_counter()
     built_s, errors = 0.0, {}
-    for backend, precision, components in _engine_jobs(variant, engine_components(pipe)):
+    for backend, precision, components in _engine_jobs(variant, engine_components(pipe), bool(cfg.controlnet)):
         records = build_engines(pipe, profiles=[profile], backend=backend, precision=precision,
                                 components=components, engine_dir=row_engine_dir(cfg, variant), progress=False)
         for r in records:
@@ -471,7 +505,7 @@ def run_row(cfg: BenchConfig, variant: str, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"load_s": load_s}
     with torch.inference_mode(), _Timer(pipe, cuda) as timer:
         _generate(pipe, cfg, steps=2)  # warm-up: first-call allocations, engine buffers
-        totals, unet_calls, clips, vaes = [], [], [], []
+        totals, unet_calls, clips, vaes, nets = [], [], [], [], []
         image = None
         for _ in range(cfg.repeats):
             timer.reset()
@@ -479,6 +513,7 @@ def run_row(cfg: BenchConfig, variant: str, work: Path) -> dict[str, Any]:
             image = _generate(pipe, cfg, cfg.steps)
             totals.append(timer._now() - start)
             unet_calls += timer.times["unet"]
+            nets += timer.times.get("controlnet", [])
             clips.append(sum(timer.times["clip"]))
             vaes.append(sum(timer.times["vae"]))
         n_unet = len(timer.times["unet"])
@@ -499,6 +534,7 @@ def run_row(cfg: BenchConfig, variant: str, work: Path) -> dict[str, Any]:
         s_per_image_20=fixed + per_call * n_unet * 20 / cfg.steps,
         peak_ram_gb=_peak_ram_gb(),
         peak_vram_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        **({"controlnet_ms": _med(nets) * 1e3} if nets else {}),
     )
     from sd_accel.runtime.swap import stats
 
@@ -561,7 +597,7 @@ def _worker(mode: str, cfg: BenchConfig, variant: str, work: Path, inprocess: bo
 
 
 _RUN_KEYS = ("clip_ms", "unet_ms", "unet_ms_spread", "vae_ms", "it_s", "s_per_image", "s_per_image_spread",
-             "s_per_image_20", "peak_ram_gb", "peak_vram_gb", "load_s")
+             "s_per_image_20", "peak_ram_gb", "peak_vram_gb", "load_s", "controlnet_ms")
 
 
 _DETAILS = ("unet_rows", "unet_calls_per_image", "inference_precision", "scheduler", "vae", "engine_stats")
@@ -709,7 +745,8 @@ def _cpu_name() -> str:
 
 _COLUMNS = (
     ("variant", "row", "{}"), ("clip_ms", "CLIP ms", "{:.0f}"), ("unet_ms", "UNet ms/call", "{:.0f}"),
-    ("unet_ms_spread", "UNet min-max", "{:.0f}-{:.0f}"), ("vae_ms", "VAE ms", "{:.0f}"), ("it_s", "it/s", "{:.2f}"),
+    ("unet_ms_spread", "UNet min-max", "{:.0f}-{:.0f}"), ("controlnet_ms", "ControlNet ms/call", "{:.0f}"),
+    ("vae_ms", "VAE ms", "{:.0f}"), ("it_s", "it/s", "{:.2f}"),
     ("s_per_image", "s/image", "{:.2f}"), ("s_per_image_20", "s/image@20", "{:.1f}"),
     ("unet_speedup", "UNet x", "{:.2f}"), ("e2e_speedup", "e2e x", "{:.2f}"), ("peak_ram_gb", "RAM GB", "{:.1f}"),
     ("peak_vram_gb", "VRAM GB", "{:.1f}"), ("disk_gb", "disk GB", "{:.1f}"), ("build_s", "build s", "{:.0f}"), ("load_s", "load s", "{:.1f}"),
@@ -729,14 +766,16 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def table(report: dict[str, Any]) -> list[list[str]]:
-    head = [c[1] for c in _COLUMNS if c[0] != "peak_vram_gb" or report["config"]["device"].startswith("cuda")]
+    cuda = report["config"]["device"].startswith("cuda")
+    control = any(r.get("controlnet_ms") for r in report["rows"])
+    columns = [c for c in _COLUMNS if (c[0] != "peak_vram_gb" or cuda) and (c[0] != "controlnet_ms" or control)]
+    head = [c[1] for c in columns]
     rows = [head]
     for r in report["rows"]:
         if r["skipped"]:
             rows.append([r["variant"], f"skipped: {r['skipped']}"] + [""] * (len(head) - 2))
             continue
-        rows.append([_cell(r, k, f) for k, _, f in _COLUMNS
-                     if k != "peak_vram_gb" or report["config"]["device"].startswith("cuda")])
+        rows.append([_cell(r, k, f) for k, _, f in columns])
     return rows
 
 
@@ -834,6 +873,44 @@ def default_model(arch: str = "sd15", recipe: str = "default", tiny: bool = Fals
         else:
             prefix_text_encoder(dest / "text_encoder")  # folders saved before the prefix was added
     return str(dest)
+
+
+def default_controlnet(model: str, seed: int = 0) -> str:
+    """A ControlNet of ``model``'s UNet architecture (``ControlNetModel.from_unet``: the real
+    conditioning embedding), its zero convolutions given small random weights so that its residuals
+    count, saved once beside the model (``<model>-controlnet-seed<seed>``) for every row to load."""
+    from filelock import FileLock
+
+    dest = Path(f"{model.rstrip('/')}-controlnet-seed{seed}") if Path(model).is_dir() else \
+        Path(cache_dir_bench()) / f"{Path(model).name.replace(':', '-')}-controlnet-seed{seed}"
+    with FileLock(str(dest) + ".lock"):
+        if not (dest / "config.json").exists():
+            import shutil
+
+            import torch
+            from diffusers import ControlNetModel
+
+            from sd_accel import load_pipeline
+
+            unet = load_pipeline(model).unet
+            torch.manual_seed(seed)
+            net = ControlNetModel.from_unet(unet)
+            g = torch.Generator().manual_seed(seed + 1)
+            with torch.no_grad():
+                for m in (*net.controlnet_down_blocks, net.controlnet_mid_block, net.controlnet_cond_embedding.conv_out):
+                    for p in m.parameters():
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            tmp = dest.with_name(dest.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            net.save_pretrained(tmp, safe_serialization=True)
+            tmp.rename(dest)
+    return str(dest)
+
+
+def cache_dir_bench() -> Path:
+    from sd_accel.paths import cache_dir
+
+    return cache_dir() / "bench"
 
 
 def default_tiny_vae() -> str:
@@ -937,6 +1014,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str], 
     size = args.size or (64 if args.tiny else recipe.size or (1024 if arch == "sdxl" else 512 if cuda else 256))
     steps = args.steps or (min(3, recipe.steps or 3) if args.tiny else 5 if args.quick else recipe.steps or 20)
     tiny_vae = getattr(args, "tiny_vae", None) or (default_tiny_vae() if recipe.tiny_vae else "")
+    controlnet = default_controlnet(model, seed=args.seed) if recipe.controlnet else ""
     guidance = getattr(args, "guidance_scale", None)
     repeats = args.repeats or (1 if args.tiny or args.quick else 3)
     bench_dir = cache_dir() / "bench"
@@ -945,8 +1023,16 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str], 
                       rounds=max(1, args.rounds), seed=args.seed, prompt=args.prompt, engine_dir=engine_dir, profile=args.profile,
                       out_dir=args.out or str(bench_dir / "results"), optimum_python=args.optimum_python or "",
                       optimum_samples=getattr(args, "optimum_samples", None), recipe=recipe.name,
-                      guidance_scale=recipe.guidance_scale if guidance is None else guidance, tiny_vae=tiny_vae)
+                      guidance_scale=recipe.guidance_scale if guidance is None else guidance, tiny_vae=tiny_vae,
+                      controlnet=controlnet)
     variants = args.variants.split(",") if args.variants else list(CUDA_VARIANTS if cuda else CPU_VARIANTS)
+    if recipe.controlnet:
+        variants = variants if args.variants else [v for v in CONTROL_VARIANTS if cuda is False or v == "diffusers"]
+        refused = [v for v in variants if v not in CONTROL_VARIANTS and v not in ("sd-accel-torch", "tensorrt-fp16")]
+        if refused:
+            raise SystemExit(f"--recipe controlnet runs {', '.join(CONTROL_VARIANTS)} (and sd-accel-torch); not "
+                             f"{', '.join(refused)}: int8 ControlNet engines are not built yet and optimum-intel has "
+                             "no ControlNet pipeline here")
     unknown = [v for v in variants if v not in ("diffusers", "sd-accel-torch", *ENGINES, *OPTIMUM)]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: diffusers, sd-accel-torch, "

@@ -234,3 +234,33 @@ def test_the_lcm_recipe_runs_one_unet_row_per_image_and_decodes_with_taesd(tmp_p
     assert records["vae_decoder"].shapes["latent"][0] == (1, 4, 8, 8)  # 64 px
     md = bench.markdown(report, "python scripts/bench.py --tiny --recipe lcm")
     assert "Recipe `lcm`" in md and "tiny autoencoder" in md and "batch 1: no CFG rows" in md
+
+
+@pytest.mark.slow
+def test_the_controlnet_recipe_runs_the_net_and_the_residual_unet_on_engines(tmp_path):
+    """``--recipe controlnet`` (issue 28's row): every row runs the ControlNet pipeline with the same
+    net and hint; the engine row builds the ControlNet and the residual-taking UNet (no plain UNet),
+    serves every call on them and the table has the ControlNet's ms per call; int8 rows are refused."""
+    import argparse
+
+    from sd_accel import EngineCache
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = ["--device", "cpu", "--tiny", "--recipe", "controlnet", "--engine-dir", str(tmp_path / "e"),
+            "--out", str(tmp_path)]
+    cfg, variants, _ = bench.config_from_args(p.parse_args(args))
+    assert cfg.controlnet and variants == list(bench.CONTROL_VARIANTS)
+    with pytest.raises(SystemExit, match="int8 ControlNet engines are not built yet"):
+        bench.config_from_args(p.parse_args([*args, "--variants", "diffusers,openvino-int8"]))
+    report = bench.run_bench(cfg, ["diffusers", "ort-fp32"], inprocess=True, log=lambda m: None)
+    ref, ort = report["rows"]
+    assert not ort["skipped"], ort["skipped"]
+    assert ref["controlnet_ms"] > 0 and ort["controlnet_ms"] > 0
+    stats = ort["details"]["engine_stats"]
+    assert stats["unet_control"]["torch_calls"] == 0  # (the warm-up's calls and the timed run's)
+    assert stats["unet_control"]["engine_calls"] > ort["details"]["unet_calls_per_image"] > 0
+    assert stats["controlnet"]["torch_calls"] == 0 and stats["controlnet"]["engine_calls"] > 0
+    assert {r.key.component for r in EngineCache(tmp_path / "e" / "ort-fp32").list()} == {
+        "clip", "controlnet", "unet_control", "vae_decoder"}
+    assert "ControlNet ms/call" in bench.text_table(report) and ort["psnr_db"] > 30
