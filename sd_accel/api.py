@@ -13,6 +13,10 @@ What the faces (CLI, panel and app, serve, bench, the WebUI adapter) may use, ch
   (``runtime``, ``runtime.modules.ProxyModule``), the refit (``refit``, ``onnx.weights``) and
   the ONNX helpers its weights ids and exports need (``onnx.fingerprint``, ``onnx.export``);
 - ``sd-accel bench`` (the quick check) besides: ``paths`` (its engine folder).
+
+``SHARED_COMPONENTS`` names the WebUI's and ComfyUI's engine components that serve a pipeline
+loaded from the same checkpoint file (:mod:`sd_accel.models.source`): a face counts their calls
+under the pipeline's own components.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from sd_accel.models.controlnet import controlnet_pipeline, load_controlnet, wit
 from sd_accel.models.hints import canny as control_canny
 from sd_accel.models.hints import preprocess as control_hint
 from sd_accel.models.load import ModelInfo, load_pipeline
+from sd_accel.models.source import SHARED_COMPONENTS
 from sd_accel.models.taesd import load_tiny_vae
 from sd_accel.optimize.attention import apply_attention, resolve_attention
 from sd_accel.optimize.memory_format import apply_memory_format
@@ -39,7 +44,7 @@ from sd_accel.refit import refit_engines
 
 log = logging.getLogger("sd_accel")
 
-__all__ = ["AccelState", "accelerate", "control_canny", "control_hint", "controlnet_pipeline", "describe_machine", "load_controlnet",
+__all__ = ["SHARED_COMPONENTS", "AccelState", "accelerate", "control_canny", "control_hint", "controlnet_pipeline", "describe_machine", "load_controlnet",
            "load_pipeline", "load_tiny_vae", "ModelInfo", "refit_engines", "resolve_device", "use_vae", "with_controlnets"]
 
 

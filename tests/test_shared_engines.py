@@ -21,12 +21,12 @@ from diffusers import UNet2DConditionModel
 
 from sd_accel import accelerate, load_pipeline
 from sd_accel.build import EngineJob, run_jobs
-from sd_accel.cache.file_hashes import checkpoint_id
 from sd_accel.cache.store import EngineCache
 from sd_accel.components.comfy_clip import ComfyClipSpec
 from sd_accel.components.ldm_clip import LdmClipSpec
 from sd_accel.components.ldm_unet import LdmUNetSpec
 from sd_accel.components.ldm_vae import LdmVaeDecoderSpec, LdmVaeEncoderSpec
+from sd_accel.models.file_hashes import checkpoint_id
 from sd_accel.profiles import Profile
 from sd_accel.runtime.swap import stats
 

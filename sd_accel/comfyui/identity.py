@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from sd_accel.cache.file_hashes import checkpoint_id as file_checkpoint_id
 from sd_accel.comfyui import host
+from sd_accel.models.file_hashes import checkpoint_id as file_checkpoint_id
 from sd_accel.webui.identity import LoraSet, weights_id
 
 

@@ -125,7 +125,7 @@ def shared_ids(pipe: Any, cache: Any) -> dict[str, dict[str, str]]:
     {'unet': {'ldm_unet': 'ckpt-6ce0161689'}, 'clip': {'ldm_clip': 'ckpt-6ce0161689',
      'comfy_clip': 'ckpt-6ce0161689.clip_l'}, ...}
     """
-    from sd_accel.cache.file_hashes import checkpoint_id
+    from sd_accel.models.file_hashes import checkpoint_id
 
     out: dict[str, dict[str, str]] = {}
     for slot, components in SHARED.items():

@@ -211,9 +211,9 @@ def control_arguments(units: tuple[ControlUnit, ...]) -> dict[str, Any]:
     """The ControlNet pipeline's call arguments for ``units`` (one net: plain values, several: lists)."""
     from PIL import Image
 
-    from sd_accel.models.hints import preprocess
+    from sd_accel.api import control_hint
 
-    hints = [preprocess(u.image if isinstance(u.image, Image.Image) else Image.open(u.image), u.preprocess)
+    hints = [control_hint(u.image if isinstance(u.image, Image.Image) else Image.open(u.image), u.preprocess)
              for u in units]
     one = len(units) == 1
     return {"image": hints[0] if one else hints,
@@ -317,7 +317,7 @@ def usage_text(before: dict[str, dict], after: dict[str, dict], engines_found: d
     ``before``/``after`` are ``stats(pipe)`` around the run (counters accumulate over runs, so
     the difference is this run's). A component without a stand-in module ran torch.
     """
-    from sd_accel.models.source import SHARED_COMPONENTS
+    from sd_accel.api import SHARED_COMPONENTS
 
     if not engines_on:
         return {"all": "torch (engines off)"}
@@ -443,7 +443,7 @@ class PanelState:
                 self._pipes.popitem(last=False)  # drop first: two big models may not fit together
             pipe = load_pipeline(model)
             if controlnets:
-                from sd_accel.models.controlnet import with_controlnets
+                from sd_accel import with_controlnets
 
                 pipe = with_controlnets(pipe, list(controlnets))  # (a family mismatch: InvalidValue, shown)
             if config is not None:
@@ -737,8 +737,8 @@ def _components_of(pipe, wanted: tuple[str, ...]) -> tuple[list[str], list[str]]
 
 def _check_same_model(pipe, record) -> None:
     """ValueError unless ``record`` was built from this pipeline's weights (see ``rebuild``)."""
+    from sd_accel.api import SHARED_COMPONENTS
     from sd_accel.build import built_from
-    from sd_accel.models.source import SHARED_COMPONENTS
 
     if record.key.component in SHARED_COMPONENTS or record.key.component.startswith("ldm_"):
         raise InvalidValue(f"engine {record.name} was built by the WebUI or ComfyUI from their own modules: rebuild "
