@@ -264,3 +264,38 @@ def test_the_controlnet_recipe_runs_the_net_and_the_residual_unet_on_engines(tmp
     assert {r.key.component for r in EngineCache(tmp_path / "e" / "ort-fp32").list()} == {
         "clip", "controlnet", "unet_control", "vae_decoder"}
     assert "ControlNet ms/call" in bench.text_table(report) and ort["psnr_db"] > 30
+
+
+def test_a_controlnet_that_misses_its_check_is_built_in_fp32_and_the_row_says_so(monkeypatch, tmp_path):
+    """The controlnet recipe's engine row: the ControlNet alone, last; a ValidationFailed of it in the
+    row's precision is built again in fp32 (as engines="auto" does) and named in the row's notes;
+    any other component's failure ends the row."""
+    import sd_accel
+    import sd_accel.build
+    from sd_accel.core import ValidationFailed
+
+    asked = []
+
+    def fake_build(pipe, profiles, backend, precision, components, engine_dir, progress):
+        asked.append((tuple(components), precision))
+        if "controlnet" in components and precision != "fp32":
+            raise ValidationFailed("engine controlnet... failed validation: relative error 6.10e-02 at opt exceeds 5e-02")
+        return []
+
+    monkeypatch.setattr(sd_accel, "build_engines", fake_build)
+    monkeypatch.setattr(sd_accel.build, "engine_components", lambda pipe: ["clip", "unet", "vae_decoder"])
+    monkeypatch.setattr(bench, "load_model", lambda cfg: object())
+    cfg = bench.BenchConfig(model="m", device="cpu", height=64, width=64, engine_dir=str(tmp_path), controlnet="cn")
+    built = bench.build_row(cfg, "openvino-bf16")
+    assert asked == [(("clip", "vae_decoder", "unet_control"), "bf16"), (("controlnet",), "bf16"),
+                     (("controlnet",), "fp32")]
+    assert built["precision_fallbacks"]["controlnet"].startswith("fp32 (bf16 missed its check")
+
+    def unet_fails(pipe, profiles, backend, precision, components, engine_dir, progress):
+        if "unet_control" in components:
+            raise ValidationFailed("engine unet_control... failed validation")
+        return []
+
+    monkeypatch.setattr(sd_accel, "build_engines", unet_fails)
+    with pytest.raises(ValidationFailed, match="unet_control"):
+        bench.build_row(cfg, "openvino-bf16")
