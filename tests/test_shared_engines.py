@@ -169,6 +169,18 @@ def test_engines_of_the_checkpoint_file_serve_the_pipeline(sd15_file, caplog):
     assert s["torch_calls"] == calls and any("no engine covers" in r for r in s["fallbacks"])
 
 
+def test_the_app_generates_on_the_hosts_engines(sd15_file):
+    """The panel / standalone app (PanelState: load_pipeline + accelerate) on the same engine folder."""
+    from sd_accel.ui.state import GenerateRequest, PanelState
+
+    path, engine_dir = sd15_file
+    state = PanelState(engine_dir=str(engine_dir), backend="onnxruntime")
+    out = state.generate(GenerateRequest(prompt="a cat", model=str(path), width=512, height=512, steps=2,
+                                         sampler="Euler", engines="cached"))
+    assert out.usage["unet"] == "engine (2 calls)" and out.usage["vae_decoder"] == "engine (1 call)", out.usage
+    assert out.usage["clip"] == "engine (2 calls)" and not any(k.startswith(("ldm_", "comfy_")) for k in out.usage)
+
+
 def test_auto_builds_nothing_where_the_hosts_engines_cover(sd15_file):
     path, engine_dir = sd15_file
     before = {r.name for r in EngineCache(engine_dir).list()}
