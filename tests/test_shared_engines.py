@@ -265,3 +265,13 @@ def test_the_webuis_text_encoder_engine_serves_the_pipeline(tmp_path, tiny_facto
     torch.testing.assert_close(got.pooler_output, want.pooler_output, atol=1e-4, rtol=0)
     torch.testing.assert_close(got.hidden_states[-2], want.hidden_states[-2], atol=1e-4, rtol=0)
     assert next(iter(stats(pipe)["clip"]["engines_used"])).startswith("ldm_clip.")
+
+
+def test_probes_of_a_large_tensor_stay_inside_it():
+    """SDXL's second text encoder's token table has 49408 x 1280 elements, past float32's exact
+    integers: the probe positions must still end at its last element, not one past it."""
+    from sd_accel.models.source import _probe
+
+    table = torch.zeros(49408, 1280)
+    table[-1, -1] = 7.0
+    assert _probe(table).tolist() == [0.0, 0.0, 0.0, 0.0, 7.0]

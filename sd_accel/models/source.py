@@ -2,9 +2,10 @@
 
 The WebUI and ComfyUI key their engines by the checkpoint file (``ckpt-<10 hex>`` of its
 sha256) and export the original-layout modules (``ldm_unet``, ``ldm_vae_decoder``,
-``ldm_vae_encoder``, the WebUI's ``ldm_clip``, ComfyUI's ``comfy_clip``). A pipeline loaded from the same single file computes the same functions
-with the same weights, so those engines serve its calls too (:mod:`sd_accel.runtime.modules`
-feeds them): an engine built in ComfyUI is the one the CLI and the app use.
+``ldm_vae_encoder``, the WebUI's ``ldm_clip``, ComfyUI's ``comfy_clip``). A pipeline loaded from
+the same single file computes the same functions with the same weights, so those engines serve
+its calls too (:mod:`sd_accel.runtime.modules` feeds them): an engine built in ComfyUI is the one
+the CLI and the app use.
 
 That holds only while the module still has the file's weights. :func:`tag_loaded` records, at
 load, the file (size, mtime) and a probe of each weight tensor (five values, read through the
@@ -56,7 +57,8 @@ def _probe(t: torch.Tensor) -> torch.Tensor | None:
     n = t.numel()
     if n == 0 or not t.is_floating_point() or t.device.type == "meta":
         return None
-    positions = torch.linspace(0, n - 1, steps=min(n, _PROBES)).round().long()
+    # float64: float32 positions past 2^24 elements (a 49408 x 1280 token table) may round past the end
+    positions = torch.linspace(0, n - 1, steps=min(n, _PROBES), dtype=torch.float64).round().long().clamp_(max=n - 1)
     index = torch.unravel_index(positions, tuple(t.shape)) if t.dim() else ()
     return t.detach()[index].cpu().clone()
 
