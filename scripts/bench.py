@@ -897,8 +897,10 @@ def default_controlnet(model: str, seed: int = 0) -> str:
     count, saved once beside the model (``<model>-controlnet-seed<seed>``) for every row to load."""
     from filelock import FileLock
 
+    from sd_accel.paths import cache_dir
+
     dest = Path(f"{model.rstrip('/')}-controlnet-seed{seed}") if Path(model).is_dir() else \
-        Path(cache_dir_bench()) / f"{Path(model).name.replace(':', '-')}-controlnet-seed{seed}"
+        cache_dir() / "bench" / f"{Path(model).name.replace(':', '-')}-controlnet-seed{seed}"
     with FileLock(str(dest) + ".lock"):
         if not (dest / "config.json").exists():
             import shutil
@@ -921,12 +923,6 @@ def default_controlnet(model: str, seed: int = 0) -> str:
             net.save_pretrained(tmp, safe_serialization=True)
             tmp.rename(dest)
     return str(dest)
-
-
-def cache_dir_bench() -> Path:
-    from sd_accel.paths import cache_dir
-
-    return cache_dir() / "bench"
 
 
 def default_tiny_vae() -> str:

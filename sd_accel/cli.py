@@ -101,7 +101,7 @@ def _with_controlnets(pipe, args: argparse.Namespace):
     from PIL import Image
 
     from sd_accel import with_controlnets
-    from sd_accel.api import control_hint
+    from sd_accel.api import control_arguments, control_hint
     from sd_accel.core import InvalidValue
 
     n = len(args.controlnet)
@@ -119,9 +119,7 @@ def _with_controlnets(pipe, args: argparse.Namespace):
     except OSError as exc:
         raise InvalidValue(f"--control-image: {exc}") from exc
     pipe = with_controlnets(pipe, args.controlnet, allow_pickle=args.allow_pickle)
-    extra = {"image": hints[0] if n == 1 else hints,
-             "controlnet_conditioning_scale": scales[0] if n == 1 else scales}
-    return pipe, extra
+    return pipe, control_arguments(hints, scales)
 
 
 def _component_use(pipe) -> dict[str, str]:

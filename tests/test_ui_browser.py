@@ -130,6 +130,16 @@ def _range_box(page, dim: str):
     return page.locator(f"#sd-accel-range-{dim} textarea, #sd-accel-range-{dim} input").first
 
 
+def _small_torch_run(page) -> None:
+    """The Generate tab set for a quick run in torch: 64 px, 2 steps, engines off (no build)."""
+    _tab(page, "Generate")
+    _set_slider(page, "sd-accel-width", 64)
+    _set_slider(page, "sd-accel-height", 64)
+    _set_slider(page, "sd-accel-steps", 2)
+    page.locator("#sd-accel-use-engines input").click()
+    page.get_by_role("option", name="off").or_(page.locator("#sd-accel-use-engines li", has_text="off")).first.click()
+
+
 def _shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / name), full_page=True)
 
@@ -225,12 +235,7 @@ def test_tiny_vae_field_in_browser(app, page, tmp_path_factory):
     from support.taesd_files import tiny_autoencoder, write_layouts
 
     taesd = write_layouts(tiny_autoencoder(), tmp_path_factory.mktemp("ui-taesd"))["single"]
-    _tab(page, "Generate")
-    _set_slider(page, "sd-accel-width", 64)
-    _set_slider(page, "sd-accel-height", 64)
-    _set_slider(page, "sd-accel-steps", 2)
-    page.locator("#sd-accel-use-engines input").click()
-    page.get_by_role("option", name="off").or_(page.locator("#sd-accel-use-engines li", has_text="off")).first.click()
+    _small_torch_run(page)
     field = page.locator("#sd-accel-tiny-vae textarea, #sd-accel-tiny-vae input").first
     report = page.locator("#sd-accel-report").first
     field.fill(str(taesd.parent / "missing.safetensors"))
@@ -262,12 +267,7 @@ def test_controlnet_unit_in_browser(app, page, tmp_path_factory):
     hint = folder / "hint.png"
     Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype("uint8")).save(hint)
 
-    _tab(page, "Generate")
-    _set_slider(page, "sd-accel-width", 64)
-    _set_slider(page, "sd-accel-height", 64)
-    _set_slider(page, "sd-accel-steps", 2)
-    page.locator("#sd-accel-use-engines input").click()
-    page.get_by_role("option", name="off").or_(page.locator("#sd-accel-use-engines li", has_text="off")).first.click()
+    _small_torch_run(page)
     page.locator("#sd-accel-tiny-vae textarea, #sd-accel-tiny-vae input").first.fill("")
     page.locator("#sd-accel-controlnet").get_by_text("ControlNet", exact=True).first.click()  # open the accordion
     field = page.locator("#sd-accel-cn1-model textarea, #sd-accel-cn1-model input").first

@@ -265,3 +265,24 @@ def with_controlnets(pipe, sources, *, kind: str = "txt2img", allow_pickle: bool
     nets = [s if isinstance(s, torch.nn.Module) else load_controlnet(s, pipe=pipe, allow_pickle=allow_pickle)
             for s in sources]
     return controlnet_pipeline(pipe, nets, kind)
+
+
+def call_arguments(hints: list, scales: list[float], starts: list[float] | None = None,
+                   ends: list[float] | None = None) -> dict[str, Any]:
+    """A ControlNet pipeline's call arguments for one hint per net: plain values for one net (what
+    a single ``ControlNetModel`` takes), lists for several; start/end only when given.
+
+    >>> call_arguments([hint], [0.8])                                  # doctest: +SKIP
+    {'image': hint, 'controlnet_conditioning_scale': 0.8}
+    """
+    one = len(hints) == 1
+
+    def value(items: list) -> Any:
+        return items[0] if one else list(items)
+
+    out = {"image": value(hints), "controlnet_conditioning_scale": value(scales)}
+    if starts is not None:
+        out["control_guidance_start"] = value(starts)
+    if ends is not None:
+        out["control_guidance_end"] = value(ends)
+    return out

@@ -129,6 +129,7 @@ def shared_ids(pipe: Any, cache: Any) -> dict[str, dict[str, str]]:
     """
     from sd_accel.models.file_hashes import checkpoint_id
 
+    present = {r.key.component for r in cache.list()}  # (one read of the index)
     out: dict[str, dict[str, str]] = {}
     for slot, components in SHARED.items():
         module = getattr(pipe, slot, None)
@@ -136,7 +137,7 @@ def shared_ids(pipe: Any, cache: Any) -> dict[str, dict[str, str]]:
         config = getattr(module, "config", None)  # (diffusers' a dict; transformers' an object)
         if source is None or (isinstance(config, dict) and config.get("time_cond_proj_dim")):
             continue  # (an LCM UNet's guidance input is not in an original-layout engine)
-        wanted = {c: [(other, suffix) for other, suffix in pairs if cache.find(component=other)]
+        wanted = {c: [(other, suffix) for other, suffix in pairs if other in present]
                   for c, pairs in components.items()}
         wanted = {c: pairs for c, pairs in wanted.items() if pairs}
         if not wanted:

@@ -425,13 +425,8 @@ class EngineVAE(EngineModule):
         item = x[:1] if getattr(self.torch_module, "use_slicing", False) else x
         if engines.covering({name_in: item}):
             return None
-        if component.endswith("decoder"):
-            item = item.new_empty((item.shape[0], self._conv_out(item), *item.shape[2:]))
+        # the 1x1 quant convolutions between the two keep every SD VAE's shapes
         return shared if shared.covering({"z" if component.endswith("decoder") else "images": item}) else None
-
-    def _conv_out(self, z: torch.Tensor) -> int:
-        conv = getattr(self.torch_module, "post_quant_conv", None)
-        return int(conv.weight.shape[0]) if conv is not None else z.shape[1]
 
     @staticmethod
     def _conv(conv, x: torch.Tensor) -> torch.Tensor:

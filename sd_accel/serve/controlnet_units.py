@@ -153,19 +153,14 @@ def pipeline_arguments(units: list[ControlUnit]) -> dict[str, Any]:
 
     from PIL import Image
 
-    from sd_accel.api import control_hint
+    from sd_accel.api import control_arguments, control_hint
 
     hints = []
     for unit in units:
         image = Image.open(io.BytesIO(unit.image))
         hints.append(control_hint(image, unit.module) if unit.module != "canny" else _canny(image, unit))
-    one = len(units) == 1
-    return {
-        "image": hints[0] if one else hints,
-        "controlnet_conditioning_scale": units[0].weight if one else [u.weight for u in units],
-        "control_guidance_start": units[0].guidance_start if one else [u.guidance_start for u in units],
-        "control_guidance_end": units[0].guidance_end if one else [u.guidance_end for u in units],
-    }
+    return control_arguments(hints, [u.weight for u in units], [u.guidance_start for u in units],
+                             [u.guidance_end for u in units])
 
 
 def _canny(image, unit: ControlUnit):

@@ -165,9 +165,6 @@ class BuildUpdate:
     records: list = field(default_factory=list)
 
 
-CONTROL_PREPROCESSORS = ("none", "canny")  # sd_accel.models.hints.PREPROCESSORS, without importing PIL here
-
-
 @dataclass
 class ControlUnit:
     """One ControlNet unit of the Generate tab: a ControlNet (a ``.safetensors`` file of the
@@ -191,6 +188,8 @@ class ControlUnit:
 
     def check(self, index: int) -> None:
         """InvalidValue naming the unit and the field, before anything is loaded."""
+        from sd_accel.api import CONTROL_PREPROCESSORS
+
         name = f"ControlNet unit {index + 1}"
         if not str(self.model or "").strip():
             raise InvalidValue(f"{name} has a control image but no ControlNet: give its file or folder, or clear the "
@@ -211,15 +210,12 @@ def control_arguments(units: tuple[ControlUnit, ...]) -> dict[str, Any]:
     """The ControlNet pipeline's call arguments for ``units`` (one net: plain values, several: lists)."""
     from PIL import Image
 
-    from sd_accel.api import control_hint
+    from sd_accel.api import control_arguments, control_hint
 
     hints = [control_hint(u.image if isinstance(u.image, Image.Image) else Image.open(u.image), u.preprocess)
              for u in units]
-    one = len(units) == 1
-    return {"image": hints[0] if one else hints,
-            "controlnet_conditioning_scale": float(units[0].scale) if one else [float(u.scale) for u in units],
-            "control_guidance_start": float(units[0].start) if one else [float(u.start) for u in units],
-            "control_guidance_end": float(units[0].end) if one else [float(u.end) for u in units]}
+    return control_arguments(hints, [float(u.scale) for u in units], [float(u.start) for u in units],
+                             [float(u.end) for u in units])
 
 
 @dataclass
