@@ -533,6 +533,13 @@ def test_a_controlnet_unit_reaches_the_pipeline_as_the_api_runs_it(tmp_path, con
     assert np.abs(np.asarray(plain, float) - np.asarray(got.images[0], float)).mean() > 1  # the net acts
 
 
+def test_the_panels_preprocessor_names_are_the_hints_ones():
+    from sd_accel.models.hints import PREPROCESSORS
+    from sd_accel.ui.state import CONTROL_PREPROCESSORS
+
+    assert CONTROL_PREPROCESSORS == PREPROCESSORS
+
+
 @pytest.mark.parametrize("unit, message", [
     (dict(model="", image="hint"), "has a control image but no ControlNet"),
     (dict(model="cn", image=None), "has no control image"),

@@ -201,7 +201,7 @@ _UNIT_FIELDS = 6  # model, image, preprocessor, weight, start, end
 
 def _control_units() -> list[Any]:
     """The ControlNet units' widgets, :data:`_UNIT_FIELDS` per unit, in one closed accordion."""
-    from sd_accel.api import CONTROL_PREPROCESSORS
+    from sd_accel.ui.state import CONTROL_PREPROCESSORS
 
     widgets: list[Any] = []
     with gr.Accordion("ControlNet", open=False, elem_id="sd-accel-controlnet"):

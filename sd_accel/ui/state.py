@@ -165,6 +165,11 @@ class BuildUpdate:
     records: list = field(default_factory=list)
 
 
+# The names of sd_accel.models.hints.PREPROCESSORS (tests/test_ui.py keeps them in step): the panel is
+# built in the WebUIs' Gradio 3.41 environments, whose numpy cannot import onnx (which the api does).
+CONTROL_PREPROCESSORS = ("none", "canny")
+
+
 @dataclass
 class ControlUnit:
     """One ControlNet unit of the Generate tab: a ControlNet (a ``.safetensors`` file of the
@@ -188,8 +193,6 @@ class ControlUnit:
 
     def check(self, index: int) -> None:
         """InvalidValue naming the unit and the field, before anything is loaded."""
-        from sd_accel.api import CONTROL_PREPROCESSORS
-
         name = f"ControlNet unit {index + 1}"
         if not str(self.model or "").strip():
             raise InvalidValue(f"{name} has a control image but no ControlNet: give its file or folder, or clear the "
