@@ -46,6 +46,12 @@ TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 5e-2, "int8": 0.1, "int8-dynami
 # 45 dB a decoder adds at most 1.4 dB of error to an image already 40 dB from fp32 (int8 UNets):
 # errors add as mean squares, 10*log10(1 + 10**((40 - 45) / 10)) = 1.2 dB.
 IMAGE_PSNR = {"int8": 45.0, "int8-dynamic": 45.0}
+# A component whose outputs only feed another one (a ControlNet's residuals feed the UNet) and
+# misses the tolerance on those outputs is judged again by what it does to its consumer's output:
+# the consumer in torch fp32 fed the engine's outputs vs fed torch's, against the same tolerance.
+# Per residual, a bf16 ControlNet (SD 1.5 architecture, random weights, 512 px) is 6.1e-2 off at
+# its deepest levels (0.4e-2 at the first), over the 5e-2 gate; the UNet it feeds moves by 1.3e-2,
+# and 8 steps of it cost the image 0.1 dB against the fp32 ControlNet (48.93 vs 49.04 dB).
 # Max-point memory estimate = opt-point growth x size ratio x this, against what is available.
 HEADROOM = 1.5
 # A copy of a validated engine with new weights (``baseline``) may be this much further from torch
@@ -66,6 +72,9 @@ class Validation:
     item_rel: dict[str, list[float]] = field(default_factory=dict)
     # a decoder's worst image PSNR (dB) over the points checked, against torch fp32 (None: no image output)
     image_psnr: float | None = None
+    # for a component judged by its consumer (``spec.consumer()``): the worst relative error of the
+    # consumer's output fed this engine's outputs, where its own outputs missed the tolerance
+    consumer_rel: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -106,6 +115,30 @@ def _errors(names: list[str], got: dict, ref: tuple[torch.Tensor, ...]) -> tuple
             rel = (diff[i].norm() / r[i].float().norm().clamp_min(1e-12)).item()
             per_item[i] = max(per_item[i], rel)
     return worst_abs, worst_rel, per_item, ""
+
+
+def consumer_error(spec, feed: dict[str, torch.Tensor], got: dict, ref: tuple[torch.Tensor, ...],
+                   device: str = "cpu") -> float | None:
+    """The relative L2 error of ``spec.consumer()``'s output (torch fp32, one batch item at a
+    time) when fed the engine's outputs ``got`` instead of torch's ``ref``, its other inputs taken
+    from ``feed`` by name; None when the spec has no consumer. Only the items ``ref`` has."""
+    consumer = spec.consumer() if hasattr(spec, "consumer") else None
+    if consumer is None:
+        return None
+    names = [t.name for t in spec.outputs()]
+    items = ref[0].shape[0]
+    ours = dict(zip(names, ref, strict=True))
+
+    def fed(outputs: dict) -> dict[str, torch.Tensor]:
+        return {t.name: (outputs[t.name] if t.name in outputs else feed[t.name])[:items].to(device, torch.float32)
+                for t in consumer.inputs()}
+
+    module = consumer.torch_module()
+    with fp32_on(module, device), sdpa_attention(module):
+        call = consumer.export_module()
+        want = reference(call, fed(ours))
+        have = reference(call, fed({n: torch.as_tensor(got[n]) for n in names}))
+    return max(((h - w).norm() / w.norm().clamp_min(1e-12)).item() for h, w in zip(have, want, strict=True))
 
 
 def image_psnr(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -239,6 +272,7 @@ def validate(
     refused: list[str] = []
     opt_growth: int | None = None
     worst_psnr: float | None = None
+    worst_consumer: float | None = None
     psnr_gate = IMAGE_PSNR.get(precision) if "images" in names else None
     seeds = {label: i for i, label in enumerate(_points(spec, profile))}
     module = spec.torch_module()
@@ -278,12 +312,23 @@ def validate(
                 within = err_rel <= tol
             if bad:
                 return Validation(math.inf, math.inf, checked, False, f"{bad} has NaN/inf at {label}", skipped)
+            downstream = None
+            if not within:
+                downstream = consumer_error(spec, feed, got, ref, device)
+                if downstream is not None:
+                    log.info("validation of %s at %s: its outputs are %.2e off (tolerance %.0e); the %s they "
+                             "feed is %.2e off", spec.name, label, err_rel, tol, spec.consumer().name, downstream)
+                    worst_consumer = downstream if worst_consumer is None else max(worst_consumer, downstream)
+                    within = downstream <= tol
+                    if not within:
+                        refused.append(f"the {spec.consumer().name} it feeds is {downstream:.2e} off at {label}, "
+                                       f"over {tol:.0e} for {precision} (its own outputs {err_rel:.2e})")
             item_rel[label] = [round(x, 6) for x in per_item]
             if items is not None:
                 log.info("validation of %s at %s: %s batch item(s) checked, relative error %s (tolerance %.0e, "
                          "base engine %s)", spec.name, label, len(per_item), [f"{x:.2e}" for x in per_item], tol,
                          base or "not recorded")
-            if not within:
+            if not within and downstream is None:
                 refused.append(f"relative error {err_rel:.2e} at {label} exceeds {tol:.0e} for {precision}")
             if "images" in names:
                 r = ref[names.index("images")]
@@ -296,4 +341,5 @@ def validate(
     ok = not refused
     why = "; ".join(refused)
     return Validation(worst_abs, worst_rel, checked, ok, why, skipped, item_rel,
-                      None if worst_psnr is None else round(worst_psnr, 2))
+                      None if worst_psnr is None else round(worst_psnr, 2),
+                      None if worst_consumer is None else round(worst_consumer, 6))

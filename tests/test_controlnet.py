@@ -326,6 +326,49 @@ def test_engines_auto_builds_the_controlnet_and_residual_unet_on_first_use(tmp_p
     assert np.abs(out - torch_ref()).max() < 2e-3
 
 
+class _NoisyNet:
+    """A stand-in engine runner for a ControlNet: torch's residuals plus Gaussian noise of ``scale``
+    times each residual's RMS (on the residuals in ``names``, or all)."""
+
+    def __init__(self, spec, scale: float, names: tuple[str, ...] | None = None) -> None:
+        self.spec, self.scale, self.names = spec, scale, names
+
+    def infer(self, feed: dict) -> dict:
+        with torch.no_grad():
+            outs = self.spec.export_module()(*feed.values())
+        g = torch.Generator().manual_seed(0)
+        got = {}
+        for t, out in zip(self.spec.outputs(), outs, strict=True):
+            if self.names is None or t.name in self.names:
+                out = out + self.scale * out.norm() / out.numel() ** 0.5 * torch.randn(out.shape, generator=g)
+            got[t.name] = out
+        return got
+
+
+def test_controlnet_residuals_off_by_more_than_the_tolerance_are_judged_by_the_unet_they_feed(monkeypatch):
+    """bf16 residuals 6% off at the deepest levels moved the UNet by 1%: the net passes when the
+    UNet fed its residuals stays within tolerance, and fails, naming the UNet, when it does not."""
+    from sd_accel.components.controlnet import ControlNetSpec
+    from sd_accel.profiles import Profile
+    from sd_accel.validate import TOLERANCE, validate
+
+    spec = ControlNetSpec(control_pipe())
+    profile = Profile.of(dict(batch=1, height=64, width=64))
+    tol = TOLERANCE["bf16"]
+    for names in (None, ("mid",)):  # 8% off everywhere, or at the mid block only
+        v = validate(spec, _NoisyNet(spec, 0.08, names), profile, "bf16")
+        assert v.rel_l2 > tol and v.ok, v.why
+        assert v.consumer_rel is not None and v.consumer_rel < tol
+    v = validate(spec, _NoisyNet(spec, 1.0), profile, "bf16")
+    assert not v.ok and v.consumer_rel > tol
+    assert "the unet_control it feeds is" in v.why and "its own outputs" in v.why
+    ok = validate(spec, _NoisyNet(spec, 0.0), profile, "bf16")  # within tolerance: the UNet is not run
+    assert ok.ok and ok.consumer_rel is None
+    monkeypatch.setattr(ControlNetSpec, "consumer", lambda self: None)  # no torch UNet to judge by
+    v = validate(spec, _NoisyNet(spec, 0.08), profile, "bf16")
+    assert not v.ok and v.consumer_rel is None and "relative error" in v.why and "exceeds" in v.why
+
+
 def test_webui_controlnet_units_are_read_and_refused_by_name():
     import base64
     import io

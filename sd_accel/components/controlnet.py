@@ -182,6 +182,19 @@ class ControlNetSpec(ComponentSpec):
     def export_module(self) -> torch.nn.Module:
         return _ControlNetExport(self.net, self.xl)
 
+    def consumer(self) -> ComponentSpec | None:
+        """The residual-taking UNet these residuals feed (its inputs are named as this net's
+        outputs and share its other inputs), or None when the pipeline has no torch UNet to run:
+        validation judges a net whose residuals miss the tolerance by that UNet's output
+        (:func:`sd_accel.validate.consumer_error`)."""
+        unet = getattr(self.pipe, "unet", None)
+        if not isinstance(unet, torch.nn.Module) or type(unet).__name__ != "UNet2DConditionModel":
+            return None
+        try:
+            return ControlUNetSpec(self.pipe)
+        except UnsupportedComponent:
+            return None
+
     def dim_ranges(self, profile: Profile) -> dict[str, Range]:
         lo, opt, hi = profile.batch
         b2 = (2 * lo, 2 * opt, 2 * hi) if profile.static else (lo, 2 * opt, 2 * hi)
