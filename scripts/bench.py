@@ -468,9 +468,9 @@ def build_row(cfg: BenchConfig, variant: str) -> dict[str, Any]:
         try:
             records = build(precision)
         except ValidationFailed as exc:
-            # A ControlNet whose residuals miss the reduced precision's check is built in fp32, as
-            # engines="auto" does with any component; the row says so (issue 28: measured at 512 px,
-            # SD 1.5's ControlNet in OpenVINO bf16 was 6.1e-2 off against the 5e-2 gate)
+            # A ControlNet that misses the reduced precision's check (its residuals, then the UNet
+            # they feed: sd_accel.validate.consumer_error) is built in fp32, as engines="auto" does
+            # with any component; the row says so
             if components != ["controlnet"] or precision == "fp32":
                 raise
             fell_back["controlnet"] = f"fp32 ({precision} missed its check: {str(exc).split(': ', 1)[-1][:160]})"

@@ -41,7 +41,7 @@ from sd_accel.comfyui import host
 from sd_accel.comfyui.identity import describe, patch_set, unet_weights_id
 from sd_accel.comfyui.state import State, state
 from sd_accel.components.ldm_control_unet import COMPONENT as CONTROL
-from sd_accel.components.ldm_control_unet import control_feed, control_names, ldm_layout
+from sd_accel.components.ldm_control_unet import control_feed, control_names, ldm_layout, sliced_control
 from sd_accel.components.ldm_unet import COMPONENT
 from sd_accel.webui.identity import LoraSet
 
@@ -87,13 +87,6 @@ def call_reason(options: dict | None, kwargs: dict) -> str | None:
     if extra:
         return f"arguments the engine was not built for: {', '.join(extra)}"
     return None
-
-
-def _sliced_control(control: dict | None, part: slice) -> dict | None:
-    """The call's ``control`` for a batch slice (fresh lists: ComfyUI's UNet pops from them)."""
-    if control is None:
-        return None
-    return {k: [None if t is None else t[part] for t in v] if isinstance(v, list) else v for k, v in control.items()}
 
 
 def _controlnets(guider) -> list[str]:
@@ -298,7 +291,7 @@ class EngineUNet:
             if part is None:
                 return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
             return executor(x[part], timesteps[part], context[part], None if y is None else y[part],
-                            _sliced_control(control, part), transformer_options, **kwargs)
+                            sliced_control(control, part), transformer_options, **kwargs)
 
         reason = call_reason(options, kwargs)
         if reason is None and run.reason is None and run.refit:

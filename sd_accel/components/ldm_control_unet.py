@@ -114,6 +114,14 @@ class LdmControlUNetSpec(LdmUNetSpec):
         return {k: v.to(device) for k, v in feed.items()}
 
 
+def sliced_control(control: dict | None, part: slice) -> dict | None:
+    """The host's ``control`` for a batch slice of the call (fresh lists: the host's UNet pops
+    from them), for the rows an engine does not cover."""
+    if control is None:
+        return None
+    return {k: [None if t is None else t[part] for t in v] if isinstance(v, list) else v for k, v in control.items()}
+
+
 def control_feed(control: dict | None, names: list[str]) -> tuple[dict[str, torch.Tensor] | None, str | None]:
     """The engine inputs for a host's ``control`` dict, or (None, why the engine cannot take it).
 
@@ -132,4 +140,4 @@ def control_feed(control: dict | None, names: list[str]) -> tuple[dict[str, torc
     return feed, None
 
 
-__all__ = ["COMPONENT", "LdmControlUNetSpec", "control_feed", "control_names", "ldm_layout"]
+__all__ = ["COMPONENT", "LdmControlUNetSpec", "control_feed", "control_names", "ldm_layout", "sliced_control"]

@@ -127,20 +127,79 @@ class SdAccelUnet(sd_unet.SdUnet):
         else:
             self.controller.note(f"running the UNet in PyTorch: {reason}")
 
-    def _torch(self, x, timesteps, context, args: tuple, kwargs: dict) -> torch.Tensor:
-        """The WebUI's own UNet for this call: moved back next to the input if the WebUI
-        parked it on the CPU, called with the SD-UNet dispatch off."""
-        unet = host.loaded_unet()
-        model = host.sd_model()
+    def _move_next_to(self, unet: torch.nn.Module, x: torch.Tensor) -> None:
+        """The torch UNet back on ``x``'s device if the WebUI parked it on the CPU (``apply_unet``
+        does when an SD-UNet is active), unless the WebUI manages it (lowvram)."""
         param = next(unet.parameters(), None)
-        if param is not None and param.device != x.device and not getattr(model, "lowvram", False):
+        if param is not None and param.device != x.device and not getattr(host.sd_model(), "lowvram", False):
             unet.to(x.device)
             if not self._moved_back:
                 self._moved_back = True
                 log.info("sd-accel: moved the PyTorch UNet to %s for calls no engine covers", x.device)
+
+    def _torch(self, x, timesteps, context, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The WebUI's own UNet for this call: moved back next to the input if the WebUI
+        parked it on the CPU, called with the SD-UNet dispatch off."""
+        unet = host.loaded_unet()
+        self._move_next_to(unet, x)
         saved = sd_unet.current_unet
         sd_unet.current_unet = None  # else UNetModel.forward would hand the call back to us
         try:
             return unet(x, timesteps, context, *args, **kwargs)
         finally:
             sd_unet.current_unet = saved
+
+
+# --------------------------------------------------------------------------- forward hooks of others
+
+HOOK_MARK = "_sd_accel_counted_hook"
+
+
+def _hook_name(forward) -> str:
+    fn = getattr(forward, "__func__", forward)
+    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}".replace(".<locals>", "")
+    return f"sd-webui-controlnet's UNet hook ({where}: ControlNet / T2I-Adapter / reference units)"
+
+
+def watch_forward_hooks(ctl: Controller | None = None) -> str | None:
+    """``process_batch`` on AUTOMATIC1111: when sd-webui-controlnet has hooked the UNet (for every
+    job with a ControlNet unit its ``UnetHook`` sets ``forward`` on the module itself, keeping the
+    one it replaced as ``_original_forward``, and runs the UNet's blocks itself with its residuals
+    added in between), no call of this job reaches the SD-UNet, so the engines cannot serve it. The UNet then runs in
+    PyTorch for the job, said once and counted per call in the job's report (the hook's forward
+    is wrapped by a counter, which its own restore removes with it), and the torch UNet is put
+    back on the input's device first (the active SD-UNet had parked it on the CPU). Returns the
+    reason, or None when nothing replaced the forward or no sd-accel SD-UNet is active."""
+    ctl = ctl or controller()
+    current = sd_unet.current_unet
+    if not isinstance(current, SdAccelUnet):
+        return None
+    try:
+        unet = host.loaded_unet()
+    except Exception:  # no model loaded: nothing to watch
+        return None
+    forward = unet.__dict__.get("forward")
+    if forward is None or getattr(forward, "__func__", None) is getattr(type(unet), "forward", None):
+        return None  # none, or the class's own put back (sd-webui-controlnet's restore leaves it so)
+    if not hasattr(unet, "_original_forward") and getattr(forward, HOOK_MARK, None) is None:
+        # Only sd-webui-controlnet's hook is known to bypass the class's forward; a wrapper that
+        # calls through to it still reaches the SD-UNet, and its calls are served as usual.
+        return None
+    if getattr(forward, HOOK_MARK, None) is not None:
+        return getattr(forward, HOOK_MARK)
+    reason = (f"{_hook_name(forward)} runs the UNet itself, so no call reaches the engine: the UNet runs in "
+              "PyTorch for this job (on Forge, its built-in ControlNet runs on the unet_control engine)")
+    # also calls the hook passes on to the UNet's own forward (its reference modes)
+    ctl.job.torch_only = ctl.job.torch_only or reason
+    ctl.note(reason)
+
+    def counted(*args, **kwargs):
+        x = args[0] if args else kwargs.get("x")
+        current._count_torch(reason)
+        if isinstance(x, torch.Tensor):
+            current._move_next_to(unet, x)
+        return forward(*args, **kwargs)
+
+    setattr(counted, HOOK_MARK, reason)
+    unet.forward = counted
+    return reason

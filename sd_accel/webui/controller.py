@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from sd_accel.components.ldm_control_unet import COMPONENT as CONTROL
 from sd_accel.components.ldm_unet import COMPONENT
 from sd_accel.profiles import PRESETS, default_preset
 from sd_accel.webui import host
@@ -146,14 +147,14 @@ class Controller:
         them): the UNet's (:class:`LdmEngines`) by default, another component's, or all (None)."""
         with self._lock:
             found = [e for k, e in self._engines.items() if e is not None and component in (None, k[1])]
-            if component in (None, COMPONENT):
-                found.extend(self.refits.engines())
+            if component in (None, COMPONENT, CONTROL):
+                found.extend(self.refits.engines(component))
             return found
 
     def engines_for(self, wid: str, component: str = COMPONENT):
         """Usable engines of weights id ``wid`` for ``component`` on the runtime backend, or None.
 
-        The UNet's come as :class:`LdmEngines` (batch chunks, the fallback setting); the VAE's and
+        The UNet's (and the residual-taking UNet's) come as :class:`LdmEngines` (batch chunks, the fallback setting); the VAE's and
         the text encoder's as the runtime's ``ComponentEngines``, always falling back to PyTorch.
         """
         from sd_accel.runtime import engines_for
@@ -161,7 +162,7 @@ class Controller:
         backend = self.backend()
         cache = self.cache()
         key = (wid, component, backend.name, str(cache.root), self._generation)
-        unet = component == COMPONENT
+        unet = component in (COMPONENT, CONTROL)
         with self._lock:
             if key not in self._engines:
                 found = engines_for(cache, backend, wid, component, fallback=self.fallback() if unet else True,
@@ -182,7 +183,7 @@ class Controller:
             engines = self._engines[key]
             if engines is not None and unet:
                 engines.set_fallback(self.fallback())  # the settings page may have changed it
-            if engines is None and unet:
+            if engines is None and component == COMPONENT:
                 why = self.other_backend_note(wid, component)
                 if why:
                     self.note(why)  # in the job's report, every job it happens in
@@ -224,10 +225,11 @@ class Controller:
                 f"{pinned}: they are not used. Set the backend (Settings > sd-accel) to auto or {others[0]}, "
                 f"or build for {pinned}")
 
-    def lora_engines(self, ckpt: str, loras, unet, merge=None) -> tuple[Any, str | None]:
+    def lora_engines(self, ckpt: str, loras, unet, merge=None, component: str = COMPONENT) -> tuple[Any, str | None]:
         """The checkpoint's UNet engines refitted to carry ``loras`` (:mod:`sd_accel.webui.lora`),
         or (None, why not); (None, None) when the checkpoint has no engine at all. ``unet``: the
         torch UNet, whose weights carry the LoRAs once ``merge()`` (None: already) returns None.
+        ``component``: ``ldm_unet_control`` refits the residual-taking engines instead.
         Never raises (it runs inside a UNet call); a failed refit is not tried again for the set."""
         from sd_accel.refit import needs_rebuild
         from sd_accel.webui.lora import lora_text, refit_for
@@ -237,7 +239,7 @@ class Controller:
         keep = self.lora_refits_kept()
         if keep <= 0:
             return None, f"refits are off (settings: {OPT_LORA_REFITS} = 0)"
-        base, reason = self.engines_or_reason(f"ckpt-{ckpt}")
+        base, reason = self.engines_or_reason(f"ckpt-{ckpt}", component)
         if base is None:
             return None, reason
         usable = [h for h in base.handles if h.broken is None]
@@ -246,6 +248,8 @@ class Controller:
             return None, "; ".join(refused) or "the checkpoint's engines are set aside"
         with self._lock:
             where = (ckpt, self.backend_name(), str(self.cache().root), self._generation)
+            if component != COMPONENT:
+                where = (*where, component)  # (LoraRefits.engines tells them apart by it)
             refit = self.refits.get(where, loras)
             made_now = refit is None
             if refit is None:
@@ -257,12 +261,18 @@ class Controller:
                     return None, why
                 from sd_accel.webui.console import say
 
-                say(f"refitting the engine of {ckpt} for {lora_text(loras)} (LoRAs on the engine without a "
+                which = "engine" if component == COMPONENT else "residual-taking engine"
+                say(f"refitting the {which} of {ckpt} for {lora_text(loras)} (LoRAs on the engine without a "
                     "rebuild; the base engine stays as it is)")
                 for why in refused:  # the others carry the LoRAs; these are left out
                     say(f"not refitting {why}")
                 try:
-                    refit = refit_for(base, loras, ckpt, unet)
+                    spec = None
+                    if component == CONTROL:
+                        from sd_accel.components.ldm_control_unet import LdmControlUNetSpec
+
+                        spec = LdmControlUNetSpec(unet)
+                    refit = refit_for(base, loras, ckpt, unet, spec)
                 except Exception as exc:  # never stop the image: PyTorch, and say why once
                     why = f"the refit for {lora_text(loras)} failed: {type(exc).__name__}: {exc}"
                     self.refits.fail(where, loras, why)
@@ -270,7 +280,7 @@ class Controller:
                     return None, why
                 self.refits.add(where, refit, keep)
             refit.engines.set_fallback(self.fallback())
-            if self.job.lora_line is None or made_now:
+            if component == COMPONENT and (self.job.lora_line is None or made_now):
                 self.job.lora_line = refit.line(made_now)
             return refit.engines, None
 

@@ -116,11 +116,19 @@ def loaded_components(source: ExportSource, components: tuple[str, ...], model, 
     from sd_accel.webui.stand_ins import COMPONENTS, find_modules, why_not
 
     jobs, skipped = [], []
-    found = find_modules(model) if any(c != "unet" for c in components) else {}
+    found = find_modules(model) if any(c not in ("unet", "unet_control") for c in components) else {}
     for name in components:
         component = COMPONENTS[name]
-        if name == "unet":
-            jobs.append(LoadedComponent(name, LdmUNetSpec(source.unet), source.weights_id, source.unet,
+        if name == "unet_control" and not host.is_forge():
+            skipped.append(f"{name} (AUTOMATIC1111's ControlNet extension runs the UNet's blocks itself: no call "
+                           "reaches this engine; Forge's built-in ControlNet does use it)")
+            continue
+        if name in ("unet", "unet_control"):
+            spec = LdmUNetSpec(source.unet) if name == "unet" else _control_spec(source.unet)
+            if spec is None:
+                skipped.append(f"{name} (this UNet does not say its block layout: ControlNet calls stay in PyTorch)")
+                continue
+            jobs.append(LoadedComponent(name, spec, source.weights_id, source.unet,
                             {"loras": [list(e) for e in source.loras]}))
             continue
         module = found.get(component)
@@ -143,6 +151,18 @@ def loaded_components(source: ExportSource, components: tuple[str, ...], model, 
             jobs.append(LoadedComponent(name, spec, ctl.weights_for(component, model, for_call=False), module,
                             {"vae": host.loaded_vae_hash()}))
     return jobs, skipped
+
+
+def _control_spec(unet: torch.nn.Module):
+    """The residual-taking spec of ``unet`` (Forge's ControlNet calls), or None when the module
+    does not say its block layout."""
+    from sd_accel.components.ldm_control_unet import LdmControlUNetSpec
+    from sd_accel.core import UnsupportedComponent
+
+    try:
+        return LdmControlUNetSpec(unet)
+    except UnsupportedComponent:
+        return None
 
 
 def build_loaded(

@@ -13,6 +13,13 @@ Forge packs as many cond/uncond rows into one call as free memory allows, so the
 known in advance: :class:`~sd_accel.webui.runner.LdmEngines` cuts it into chunks the engines
 cover. The torch UNet stays registered inside the stand-in, so Forge's memory manager loads it
 as usual and a call no engine covers runs at once.
+
+Forge's ControlNet (its built-in ``sd_forge_controlnet``: the nets chained on the patcher, run by
+the sampling function) hands the UNet ``control={"output": [...], "middle": [...]}``, ComfyUI's
+format, strengths and chained nets already summed. Those calls go to the residual-taking engine
+(``ldm_unet_control``, built with the ``unet_control`` component) of the same weights, refitted
+with the UNet's for LoRAs; without one they run in PyTorch, counted with the reason. The
+ControlNet itself runs in Forge (it is Forge's module, called before the UNet).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from sd_accel.components.ldm_control_unet import COMPONENT as CONTROL
+from sd_accel.components.ldm_control_unet import control_feed, control_names, ldm_layout, sliced_control
 from sd_accel.runtime.modules import ProxyModule
 from sd_accel.webui import host
 from sd_accel.webui.controller import Controller, controller
@@ -31,6 +40,7 @@ from sd_accel.webui.runner import LdmEngines
 log = logging.getLogger("sd_accel")
 
 OBJECT_PATCH = "diffusion_model"
+FORGE_INFORMATIONAL = ("control_model",)  # keyword arguments Forge passes that the UNet does not compute with
 
 
 class EngineDiffusionModel(ProxyModule):
@@ -48,7 +58,8 @@ class EngineDiffusionModel(ProxyModule):
 
     def __init__(self, torch_unet: torch.nn.Module, engines: LdmEngines | None,
                  resolve: Callable[[], tuple[LdmEngines | None, str | None]] | None = None,
-                 base: LdmEngines | None = None) -> None:
+                 base: LdmEngines | None = None,
+                 control: Callable[[], tuple[LdmEngines | None, str | None]] | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "torch_unet", torch_unet)  # not a submodule: see the docstring
         self.__dict__["_modules"] = torch_unet._modules
@@ -60,6 +71,10 @@ class EngineDiffusionModel(ProxyModule):
         self.__dict__["_resolve"] = resolve
         self.__dict__["_base"] = base
         self.__dict__["_why"] = None
+        # ``control()``: the residual-taking engines for ControlNet calls (or why none), asked at
+        # the first such call and kept for the pass
+        self.__dict__["_control"] = control
+        self.__dict__["_control_found"] = None
 
     def __getattr__(self, name: str):
         try:
@@ -76,9 +91,17 @@ class EngineDiffusionModel(ProxyModule):
                 self.engines = engines
         return self.engines
 
+    def _control_engines(self) -> tuple[LdmEngines | None, str | None]:
+        found = self.__dict__["_control_found"]
+        if found is None:
+            resolve = self.__dict__["_control"]
+            found = resolve() if resolve is not None else (None, "ControlNet residuals are not in the engine")
+            self.__dict__["_control_found"] = found
+        return found
+
     def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options=None, **kwargs):
         options = transformer_options if transformer_options is not None else {}
-        reason = _torch_reason(control, options, kwargs)
+        reason = _torch_reason(options, kwargs)
         engines = self._engines() if reason is None else (self.engines or self.__dict__["_base"])
         if engines is None:
             engines = self.__dict__["_base"]
@@ -89,24 +112,38 @@ class EngineDiffusionModel(ProxyModule):
                 return self.torch_unet(x, timesteps, context=context, y=y, control=control,
                                        transformer_options=options, **kwargs)
             return self.torch_unet(x[part], timesteps[part], context=context[part],
-                                   y=None if y is None else y[part], control=control,
+                                   y=None if y is None else y[part], control=sliced_control(control, part),
                                    transformer_options=options, **kwargs)
 
+        feed = None
+        if reason is None and control is not None:
+            residual_engines, why = self._control_engines()
+            if residual_engines is not None:
+                feed, why = control_feed(control, _control_inputs(self.torch_unet))
+            reason = None if feed is not None else f"ControlNet residuals: {why}"
         if reason is not None:
             if engines is not None:
                 engines.torch_call(reason)
             return torch_part(None)
+        if feed is not None:
+            return residual_engines(x, timesteps, context, y, torch_part, extra=feed)
         return engines(x, timesteps, context, y, torch_part)
 
 
-def _torch_reason(control, options: dict, kwargs: dict) -> str | None:
-    if control is not None:
-        return "ControlNet residuals (control=...) are not in the engine"
+def _control_inputs(unet: torch.nn.Module) -> list[str]:
+    """The residual-taking engine's ``control_*`` input names for this UNet's block layout (it
+    was built from the same module, so the layout is there)."""
+    return control_names(ldm_layout(unet))
+
+
+def _torch_reason(options: dict, kwargs: dict) -> str | None:
     patches = [k for k in ("patches", "patches_replace") if options.get(k)]
     if patches:
         names = sorted({n for k in patches for n in options[k]})
         return f"UNet patches from other extensions ({', '.join(names)}) are not in the engine"
-    extra = sorted(k for k, v in kwargs.items() if v is not None)
+    # ``control_model``: the ControlNet object Forge's sampling function passes beside ``control``
+    # (its UNet's **kwargs swallow it); the residuals are in ``control``
+    extra = sorted(k for k, v in kwargs.items() if v is not None and k not in FORGE_INFORMATIONAL)
     if extra:
         return f"arguments the engine was not built for: {', '.join(extra)}"
     return None
@@ -178,7 +215,20 @@ def patch_for_sampling(p, ctl: Controller | None = None) -> bool:
                          "PyTorch (build one in the sd-accel tab while these LoRAs are applied)")
             return found, why
 
-    unet.add_object_patch(OBJECT_PATCH, EngineDiffusionModel(torch_unet, engines, resolve, base))
+    def control():
+        """The residual-taking engines of these weights (refitted for the LoRAs), or why none."""
+        found, why = ctl.engines_or_reason(wid, CONTROL)
+        if found is None and why is None and loras:
+            from sd_accel.webui.lora import forge_merge
+
+            found, why = ctl.lora_engines(ckpt, loras, torch_unet, forge_merge(patcher), component=CONTROL)
+        if found is None and why is None:
+            lora_part = f" with {describe(loras)}" if loras else ""
+            why = (f"no UNet engine that takes them for this checkpoint{lora_part}: build one in the sd-accel tab "
+                   "with the unet_control component")
+        return found, why
+
+    unet.add_object_patch(OBJECT_PATCH, EngineDiffusionModel(torch_unet, engines, resolve, base, control))
     p.sd_model.forge_objects.unet = unet
     ctl.job.used.add(wid)
     return True

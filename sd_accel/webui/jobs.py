@@ -64,6 +64,10 @@ def batch_started(p, **kwargs: Any) -> None:
     ctl.job.te_loras = job_loras(data, "te")[0]
     ctl.job.torch_only = (f"extra networks an engine cannot carry ({', '.join(others)}) run in PyTorch"
                           if others else None)
+    if not host.is_forge():
+        from sd_accel.webui.a1111 import watch_forward_hooks
+
+        watch_forward_hooks(ctl)  # sd-webui-controlnet has hooked the UNet by now (its ``process``)
 
 
 @never_raise

@@ -72,8 +72,13 @@ class LoraRefits:
         self._kept: dict[tuple, OrderedDict[LoraSet, Refit]] = {}
         self._failed: dict[tuple, str] = {}
 
-    def engines(self) -> list[LdmEngines]:
-        return [r.engines for kept in self._kept.values() for r in kept.values()]
+    def engines(self, component: str | None = None) -> list[LdmEngines]:
+        """The refitted engines kept, of ``component`` (``ldm_unet`` or ``ldm_unet_control``: the
+        fifth item of a ``where``, absent for the plain UNet's) or all."""
+        from sd_accel.components.ldm_unet import COMPONENT
+
+        return [r.engines for where, kept in self._kept.items() for r in kept.values()
+                if component is None or (where[4] if len(where) > 4 else COMPONENT) == component]
 
     def close(self) -> None:
         """Close every refit (their scratch folders go); a later job refits again."""

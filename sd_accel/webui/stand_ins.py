@@ -30,14 +30,18 @@ import torch
 
 from sd_accel.components.ldm_clip import COMPONENT as CLIP
 from sd_accel.components.ldm_clip import is_clip_text_model
+from sd_accel.components.ldm_control_unet import COMPONENT as CONTROL
 from sd_accel.components.ldm_vae import DECODER, ENCODER, is_ldm_decoder, is_ldm_encoder
 from sd_accel.webui import host
 
 log = logging.getLogger("sd_accel")
 
 # user-facing component names (tab, API) -> engine component names
-COMPONENTS = {"unet": "ldm_unet", "vae_decoder": DECODER, "vae_encoder": ENCODER, "clip": CLIP}
-LABELS = {"ldm_unet": "UNet", DECODER: "VAE decoder", ENCODER: "VAE encoder", CLIP: "text encoder"}
+# (``unet_control``: the UNet taking ControlNet residuals, what Forge's ControlNet calls use)
+COMPONENTS = {"unet": "ldm_unet", "vae_decoder": DECODER, "vae_encoder": ENCODER, "clip": CLIP,
+              "unet_control": CONTROL}
+LABELS = {"ldm_unet": "UNet", DECODER: "VAE decoder", ENCODER: "VAE encoder", CLIP: "text encoder",
+          CONTROL: "UNet with ControlNet residuals"}
 MARK = "_sd_accel_component"
 
 

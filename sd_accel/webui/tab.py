@@ -27,7 +27,13 @@ from sd_accel.webui.controller import OPT_BACKEND, OPT_ENGINE_DIR, controller
 from sd_accel.webui.jobs import DEFAULT_COMPONENTS
 from sd_accel.webui.stand_ins import COMPONENTS
 
-WEBUI_COMPONENTS = tuple(COMPONENTS)  # unet, vae_decoder, vae_encoder, clip
+WEBUI_COMPONENTS = tuple(COMPONENTS)  # unet, vae_decoder, vae_encoder, clip, unet_control
+
+
+def webui_components() -> tuple[str, ...]:
+    """The components this WebUI can use: ``unet_control`` on Forge only (A1111's ControlNet
+    extension runs the UNet's blocks itself, so no call would reach that engine)."""
+    return WEBUI_COMPONENTS if host.is_forge() else tuple(c for c in WEBUI_COMPONENTS if c != "unet_control")
 
 log = logging.getLogger("sd_accel")
 
@@ -48,7 +54,7 @@ class WebUIPanelState(PanelState):
     model: str = WEBUI_MODEL
     show_generate: bool = field(default=False, init=False, repr=False)
     show_model: bool = field(default=False, init=False, repr=False)
-    component_choices: tuple[str, ...] = field(default=WEBUI_COMPONENTS, init=False, repr=False)
+    component_choices: tuple[str, ...] = field(default_factory=webui_components, init=False, repr=False)
     default_components: tuple[str, ...] = field(default=DEFAULT_COMPONENTS, init=False, repr=False)
     components_label: str = field(
         default="Components (the WebUI's UNet, VAE decoder / encoder (img2img) and CLIP text encoder)",

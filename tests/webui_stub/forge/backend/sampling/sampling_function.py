@@ -3,7 +3,10 @@
 ``calc_cond_uncond_batch`` packs cond and uncond rows into as few UNet calls as
 ``model.memory_required(shape) < free memory`` allows (ComfyUI's rule), pads context lengths to a
 common multiple (``cond_cat``), and calls ``model_options["model_function_wrapper"]`` when set,
-else ``model.apply_model(input_x, timestep_, **c)``.
+else ``model.apply_model(input_x, timestep_, **c)``. The patcher's ControlNet chain
+(``controlnet_linked_list``) rides on each cond as ``control``; a call then gets
+``c["control"] = control.get_control(input_x, timestep_, c, rows)`` and ``c["control_model"]``, as
+Forge's ``calc_cond_uncond_batch`` does.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ def calc_cond_uncond_batch(model, cond, uncond, x_in, timestep, model_options):
         if "vector" in to_batch[0][1]:
             c["y"] = torch.cat([b[1]["vector"] for b in to_batch])
         cond_or_uncond = [b[2] for b in to_batch]
+        control = to_batch[0][1].get("control")
+        if control is not None:
+            c["control"] = control.get_control(input_x, timestep_, dict(c), len(cond_or_uncond))
+            c["control_model"] = control
         calls.append((input_x.shape[0], input_x.shape[2], input_x.shape[3], c["c_crossattn"].shape[1]))
         if "model_function_wrapper" in model_options:
             output = model_options["model_function_wrapper"](
@@ -54,8 +61,11 @@ def calc_cond_uncond_batch(model, cond, uncond, x_in, timestep, model_options):
     return out[0], out[1]
 
 
-def _as_dict(cond):
-    return cond if isinstance(cond, dict) else {"crossattn": cond}
+def _as_dict(cond, control=None):
+    out = dict(cond) if isinstance(cond, dict) else {"crossattn": cond}
+    if control is not None:
+        out["control"] = control
+    return out
 
 
 def sample_forge(p, x, steps, cond, uncond):
@@ -68,7 +78,9 @@ def sample_forge(p, x, steps, cond, uncond):
         sigmas = torch.linspace(2.0, 0.0, steps + 1)
         for i in range(steps):
             sigma = sigmas[i].expand(x.shape[0])
-            c_out, u_out = calc_cond_uncond_batch(model, _as_dict(cond), _as_dict(uncond), x, sigma, unet.model_options)
+            control = unet.controlnet_linked_list
+            c_out, u_out = calc_cond_uncond_batch(model, _as_dict(cond, control), _as_dict(uncond, control), x, sigma,
+                                                  unet.model_options)
             denoised = u_out + (c_out - u_out) * p.cfg_scale
             x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
     finally:

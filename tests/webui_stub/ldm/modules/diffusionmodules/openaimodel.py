@@ -43,6 +43,8 @@ class UNetModel(torch.nn.Module):
         self.in_channels = cfg["in_channels"]
         self.out_channels = cfg["out_channels"]
         self.model_channels = cfg["block_out_channels"][0]
+        self.channel_mult = [c // self.model_channels for c in cfg["block_out_channels"]]
+        self.num_res_blocks = [cfg["layers_per_block"]] * len(self.channel_mult)
         self.num_classes = "sequential" if family == "sdxl" else None
         self.adm_in_channels = cfg.get("projection_class_embeddings_input_dim") if family == "sdxl" else None
         self.use_checkpoint = True  # A1111's inference configs say so; exports must switch it off
@@ -55,11 +57,22 @@ class UNetModel(torch.nn.Module):
         return torch.nn.Sequential(torch.nn.Sequential(emb.linear_1, emb.act, emb.linear_2))
 
     def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options=None, **kwargs):
-        # ``control`` and ``transformer_options``: Forge 2's UNet takes them (A1111's passes **kwargs)
+        # ``control`` and ``transformer_options``: Forge 2's UNet takes them (A1111's passes **kwargs).
+        # ``control`` is Forge's (ComfyUI's) dict: ``output`` residuals in input-block order, each
+        # added to its skip connection (diffusers' down residuals; Forge pops them from the end as
+        # the skips are popped), ``middle`` after the middle block. Forge's sampling function also
+        # passes ``control_model`` (the ControlNet object), which its UNet's **kwargs swallow.
         if torch.onnx.is_in_onnx_export():
             from modules import sd_hijack
 
             TRACE_LOG.append(getattr(sd_hijack.current_optimizer, "name", "None"))
-        if kwargs or control is not None:
-            raise TypeError(f"the stub UNet takes no {sorted(kwargs) or 'control'}")
-        return self.unet(x, timesteps, encoder_hidden_states=context, class_labels=y, return_dict=False)[0]
+        kwargs.pop("control_model", None)
+        if kwargs or (control is not None and any(control.get("input") or [])):
+            raise TypeError(f"the stub UNet takes no {sorted(kwargs) or 'control input'}")
+        down = mid = None
+        if control is not None:
+            output, middle = list(control.get("output") or []), list(control.get("middle") or [])
+            down = tuple(output) if output else None
+            mid = middle[0] if middle else None
+        return self.unet(x, timesteps, encoder_hidden_states=context, class_labels=y, return_dict=False,
+                         down_block_additional_residuals=down, mid_block_additional_residual=mid)[0]
