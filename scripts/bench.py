@@ -128,7 +128,8 @@ RECIPES = {
                          "ControlNet architecture, random weights, non-zero residuals; a fixed edge-map hint), PNDM "
                          "20 steps, CFG 7.5, the full VAE"),
 }
-CONTROL_VARIANTS = ("diffusers", "openvino-bf16", "openvino-fp32", "ort-fp32")  # what the controlnet recipe can run
+CONTROL_VARIANTS = ("diffusers", "openvino-bf16", "openvino-fp32", "ort-fp32")  # what the controlnet recipe runs by default
+CONTROL_EXTRA = ("openvino-int8",)  # and on request (int8 calibrates on ControlNet runs first: long at 512 px)
 
 
 @dataclass
@@ -265,16 +266,9 @@ def _timed_modules(pipe) -> list[tuple[str, Any]]:
 
 def control_hint(size: tuple[int, int]):
     """The controlnet recipe's hint: white edges of a few circles and lines on black, as a canny map looks."""
-    from PIL import Image, ImageDraw
+    from sd_accel.models.hints import synthetic_edges
 
-    w, h = size
-    img = Image.new("RGB", (w, h))
-    draw = ImageDraw.Draw(img)
-    for i in range(1, 5):
-        r = min(w, h) * i // 10
-        draw.ellipse((w // 2 - r, h // 2 - r, w // 2 + r, h // 2 + r), outline="white", width=2)
-    draw.line((0, h - 1, w - 1, 0), fill="white", width=2)
-    return img
+    return synthetic_edges(size)
 
 
 def _generate(pipe, cfg: BenchConfig, steps: int):
@@ -403,8 +397,13 @@ def _engine_jobs(variant: str, available: Sequence[str] = ENGINE_COMPONENTS,
     carry residuals: the ControlNet and the residual-taking UNet instead of the plain UNet."""
     backend, precision = ENGINES[variant]
     if control:  # (the ControlNet last and alone: build_row may take it in fp32, see there)
-        return [(backend, precision, [*(c for c in ENGINE_COMPONENTS if c in available and c != "unet"),
-                                      "unet_control"]), (backend, precision, ["controlnet"])]
+        others = [c for c in ENGINE_COMPONENTS if c in available and c != "unet"]
+        if precision.startswith("int8"):  # int8: the UNet and the ControlNet, the rest float as in plain rows
+            from sd_accel.backends.registry import create
+
+            return [(backend, create(backend).default_precision(), others), (backend, precision, ["unet_control"]),
+                    (backend, precision, ["controlnet"])]
+        return [(backend, precision, [*others, "unet_control"]), (backend, precision, ["controlnet"])]
     if precision.startswith("int8"):
         # the float components of an INT8 row: the same backend at its default float precision
         from sd_accel.backends.registry import create
@@ -473,8 +472,11 @@ def build_row(cfg: BenchConfig, variant: str) -> dict[str, Any]:
             # with any component; the row says so
             if components != ["controlnet"] or precision == "fp32":
                 raise
-            fell_back["controlnet"] = f"fp32 ({precision} missed its check: {str(exc).split(': ', 1)[-1][:160]})"
-            records = build("fp32")
+            from sd_accel.backends.registry import create
+
+            instead = create(backend).default_precision() if precision.startswith("int8") else "fp32"
+            fell_back["controlnet"] = f"{instead} ({precision} missed its check: {str(exc).split(': ', 1)[-1][:160]})"
+            records = build(instead)
         for r in records:
             built_s += float(getattr(r, "build_seconds", 0.0) or 0.0)
             if r.validation:
@@ -1040,11 +1042,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str], 
     variants = args.variants.split(",") if args.variants else list(CUDA_VARIANTS if cuda else CPU_VARIANTS)
     if recipe.controlnet:
         variants = variants if args.variants else [v for v in CONTROL_VARIANTS if cuda is False or v == "diffusers"]
-        refused = [v for v in variants if v not in CONTROL_VARIANTS and v not in ("sd-accel-torch", "tensorrt-fp16")]
+        runs = (*CONTROL_VARIANTS, *CONTROL_EXTRA)
+        refused = [v for v in variants if v not in runs and v not in ("sd-accel-torch", "tensorrt-fp16")]
         if refused:
-            raise SystemExit(f"--recipe controlnet runs {', '.join(CONTROL_VARIANTS)} (and sd-accel-torch); not "
-                             f"{', '.join(refused)}: int8 ControlNet engines are not built yet and optimum-intel has "
-                             "no ControlNet pipeline here")
+            raise SystemExit(f"--recipe controlnet runs {', '.join(runs)} (and sd-accel-torch); not "
+                             f"{', '.join(refused)}: optimum-intel has no ControlNet pipeline here, and dynamic "
+                             "int8 rows are not part of this recipe")
     unknown = [v for v in variants if v not in ("diffusers", "sd-accel-torch", *ENGINES, *OPTIMUM)]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: diffusers, sd-accel-torch, "

@@ -75,10 +75,6 @@ def run_jobs(
     """
     for precision in dict.fromkeys(job.precision for job in jobs):
         check_precision(backend, precision)  # says what a missing precision needs (NNCF, a bf16 CPU)
-    control = sorted({job.spec.name for job in jobs if job.precision == "int8"} & {"controlnet", "unet_control"})
-    if control:  # static INT8 calibrates from prompt runs, which do not yet run the ControlNet
-        raise InvalidValue(f"int8 engines of {', '.join(control)} are not built yet (their calibration needs "
-                           "ControlNet runs); build them in the backend's default precision or fp32")
     info = backend.info()
     report = _reporter(progress)
     records: list = []

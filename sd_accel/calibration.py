@@ -4,6 +4,10 @@ so a rebuild does not run the pipeline again.
 
 The UNet is captured at every denoising step (so early, noisy and late, clean latents are all
 represented); the VAE decoder sees each run's final latents; the text encoder each prompt's ids.
+A ControlNet pipeline runs with a made-up edge map per prompt
+(:func:`sd_accel.models.hints.synthetic_edges`) at conditioning scale 1: each ControlNet is
+captured at every step (latents, timestep, text, control image), and the residual-taking UNet
+with the residuals the nets really gave.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
     "abstract geometric shapes, bauhaus poster",
 )
 # pipeline attribute whose forward inputs are captured, per component
-_HOOKED = {"unet": "unet", "clip": "text_encoder"}
+_HOOKED = {"unet": "unet", "unet_control": "unet", "clip": "text_encoder"}
 
 
 def _np(t: torch.Tensor, like: torch.dtype) -> np.ndarray:
@@ -52,14 +56,21 @@ def _feed_from_call(spec, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
     for name in ("text_embeds", "time_ids"):
         if name in names and name in added:
             values[name] = added[name]
+    residuals = list(kwargs.get("down_block_additional_residuals") or [])
+    if kwargs.get("mid_block_additional_residual") is not None:
+        residuals.append(kwargs["mid_block_additional_residual"])
+    if residuals and hasattr(spec, "residual_names"):  # the UNet taking ControlNet residuals
+        values.update(zip(spec.residual_names(), residuals, strict=True))
     batch = None
     out = {}
     for name in names:
         v = values[name]
         if not torch.is_tensor(v):
-            v = torch.tensor(v)
+            v = torch.tensor(v, dtype=torch.float32)
         if name == "sample":
             batch = v.shape[0]
+        if name == "conditioning_scale" and v.dim() < 2:  # one scale per residual and row, as exported
+            v = v.reshape(-1)[:1].expand(batch, spec.num_residuals)
         if name == "timestep" and batch is not None:
             v = v.reshape(-1).expand(batch) if v.numel() in (1, batch) else v
         if name == "timestep_cond" and batch is not None and v.shape[0] == 1:
@@ -85,23 +96,41 @@ def capture_calibration(
     ``len(prompts) * steps`` UNet samples (batch 2 * ``batch`` with guidance), one VAE-decoder and
     one text-encoder sample per prompt (two with guidance: the empty negative prompt too).
     """
+    from sd_accel.components.controlnet import control_key, controlnets_of
+
     sets = {name: CalibrationSet(name) for name in specs}
     handles = []
+
+    def capture(module: torch.nn.Module, name: str, only_with_residuals: bool = False) -> None:
+        spec = specs[name]
+
+        def hook(_m, args, kwargs):
+            if only_with_residuals and kwargs.get("mid_block_additional_residual") is None:
+                return
+            sets[name].feeds.append(_feed_from_call(spec, args, kwargs))
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+
     for name, attr in _HOOKED.items():
         if name in specs and getattr(pipe, attr, None) is not None:
-            spec = specs[name]
-
-            def hook(_m, args, kwargs, _spec=spec, _name=name):
-                sets[_name].feeds.append(_feed_from_call(_spec, args, kwargs))
-
-            handles.append(getattr(pipe, attr).register_forward_pre_hook(hook, with_kwargs=True))
+            capture(getattr(pipe, attr), name, only_with_residuals=name == "unet_control")
+    nets = controlnets_of(pipe)
+    for i, net in enumerate(nets):
+        if control_key(i) in specs:
+            capture(net, control_key(i))
     try:
         with torch.no_grad():
             for i, prompt in enumerate(prompts):
                 g = torch.Generator("cpu").manual_seed(seed + i)
+                control = {}
+                if nets:  # a ControlNet pipeline needs its control image(s)
+                    from sd_accel.models.hints import synthetic_edges
+
+                    hints = [synthetic_edges((width, height), seed=seed + i + 7 * n) for n in range(len(nets))]
+                    control = {"image": hints[0] if len(nets) == 1 else hints}
                 out = pipe(
                     [prompt] * batch, height=height, width=width, num_inference_steps=steps,
-                    guidance_scale=guidance_scale, generator=g, output_type="latent",
+                    guidance_scale=guidance_scale, generator=g, output_type="latent", **control,
                 )
                 if "vae_decoder" in specs:
                     latents = out.images / pipe.vae.config.scaling_factor
@@ -129,6 +158,7 @@ def calibration_for(
     """Calibration feeds for ``spec`` at ``profile``'s opt shape: loaded from the cache, or captured
     by running the pipeline (all of ``spec.pipe``'s components are captured and cached at once)."""
     from sd_accel.components import specs_for
+    from sd_accel.components.controlnet import control_specs
     from sd_accel.onnx.fingerprint import fingerprint
 
     pipe = spec.pipe
@@ -138,19 +168,25 @@ def calibration_for(
         return CalibrationSet.load(spec.name, path)
     height, width, batch = profile.height[1], profile.width[1], profile.batch[1]
     specs = {n: s for n, s in specs_for(pipe).items() if n in ("unet", "vae_decoder", "clip")}
+    specs.update(control_specs(pipe))  # a ControlNet pipeline's nets and residual-taking UNet
     log.info("capturing calibration data: %d prompts x %d steps at %dx%d", len(prompts), steps, width, height)
     # A profile without CFG (``cfg=False``: one UNet row per image, the few-step recipes) is
     # calibrated on calls without it: with guidance the captured UNet feeds had twice its batch.
     guidance = 7.5 if getattr(profile, "cfg", True) else 1.0
     sets = capture_calibration(pipe, specs, height=height, width=width, batch=batch, prompts=prompts, steps=steps,
                                guidance_scale=guidance)
+    mine = None
     for name, cset in sets.items():
         s = specs[name]
-        path = _cache_file(cache_root, fingerprint(s.torch_module()), name, s.shape_ranges(profile), prompts, steps)
-        cset.save(path, calibration_temp(path))
-    if spec.name not in sets or not sets[spec.name].feeds:
+        if not cset.feeds:
+            continue
+        file = _cache_file(cache_root, fingerprint(s.torch_module()), s.name, s.shape_ranges(profile), prompts, steps)
+        cset.save(file, calibration_temp(file))
+        if file == path:
+            mine = cset
+    if mine is None:
         raise InvalidValue(f"no calibration data could be captured for {spec.name!r}")
-    return sets[spec.name]
+    return mine
 
 
 def split_holdout(calibration: CalibrationSet, every: int = 4) -> tuple[CalibrationSet, list[dict[str, torch.Tensor]]]:

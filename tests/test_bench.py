@@ -240,7 +240,8 @@ def test_the_lcm_recipe_runs_one_unet_row_per_image_and_decodes_with_taesd(tmp_p
 def test_the_controlnet_recipe_runs_the_net_and_the_residual_unet_on_engines(tmp_path):
     """``--recipe controlnet`` (issue 28's row): every row runs the ControlNet pipeline with the same
     net and hint; the engine row builds the ControlNet and the residual-taking UNet (no plain UNet),
-    serves every call on them and the table has the ControlNet's ms per call; int8 rows are refused."""
+    serves every call on them and the table has the ControlNet's ms per call; int8 rows quantize the
+    residual-taking UNet and the ControlNet; optimum rows are refused."""
     import argparse
 
     from sd_accel import EngineCache
@@ -251,8 +252,12 @@ def test_the_controlnet_recipe_runs_the_net_and_the_residual_unet_on_engines(tmp
             "--out", str(tmp_path)]
     cfg, variants, _ = bench.config_from_args(p.parse_args(args))
     assert cfg.controlnet and variants == list(bench.CONTROL_VARIANTS)
-    with pytest.raises(SystemExit, match="int8 ControlNet engines are not built yet"):
-        bench.config_from_args(p.parse_args([*args, "--variants", "diffusers,openvino-int8"]))
+    with pytest.raises(SystemExit, match="optimum-intel has no ControlNet pipeline here"):
+        bench.config_from_args(p.parse_args([*args, "--variants", "diffusers,optimum-intel-default"]))
+    assert bench.config_from_args(p.parse_args([*args, "--variants", "diffusers,openvino-int8"]))[1] == [
+        "diffusers", "openvino-int8"]
+    int8_jobs = bench._engine_jobs("openvino-int8", ["clip", "unet", "vae_decoder"], control=True)
+    assert [(p, c) for _, p, c in int8_jobs][1:] == [("int8", ["unet_control"]), ("int8", ["controlnet"])]
     report = bench.run_bench(cfg, ["diffusers", "ort-fp32"], inprocess=True, log=lambda m: None)
     ref, ort = report["rows"]
     assert not ort["skipped"], ort["skipped"]

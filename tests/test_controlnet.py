@@ -313,6 +313,39 @@ def test_openvino_controlnet_engines_match_torch(tmp_path):
 
 
 @pytest.mark.slow
+def test_openvino_int8_controlnet_and_residual_unet_calibrate_on_control_runs(tmp_path):
+    """int8 ControlNet engines: calibrated on the pipeline's own ControlNet runs (made-up edge maps,
+    every step captured: the nets' inputs and the residuals they gave the UNet), checked on held-out
+    captured steps behind the int8 gate, and the image stays near torch's."""
+    pytest.importorskip("openvino")
+    from sd_accel.backends.openvino import OpenVinoBackend
+
+    if "int8" not in OpenVinoBackend().precisions():
+        pytest.skip("OpenVINO int8 needs NNCF, which is not installed")
+    records = build_engines(control_pipe(), profiles=[dict(batch=1, height=64, width=64)], backend="openvino",
+                            precision="int8", engine_dir=tmp_path, components=["controlnet", "unet_control"],
+                            progress=False)
+    assert sorted(r.key.component for r in records) == ["controlnet", "unet_control"]
+    for r in records:
+        assert r.key.precision == "int8" and r.validation["ok"], r.validation
+        assert r.validation["points"][0].startswith("holdout")  # judged on captured steps, not random feeds
+    cal = {f.name.split("-")[1] for f in (tmp_path / "calibration").glob("*.npz")}
+    assert {"controlnet", "unet_control"} <= cal, cal
+    from sd_accel.core import CalibrationSet
+
+    (control_file,) = [f for f in (tmp_path / "calibration").glob("*-unet_control-*.npz")]
+    feeds = CalibrationSet.load("unet_control", control_file).feeds
+    assert feeds and all(np.abs(f["mid"]).max() > 0 for f in feeds)  # residuals the net really gave
+    pipe = accelerate(control_pipe(), engines=True, engine_dir=str(tmp_path), precision="int8", sampler="Euler",
+                      backend="openvino")
+    out, ref = run(pipe), torch_ref()
+    s = stats(pipe)
+    assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
+    psnr = 10 * np.log10(1.0 / np.mean((out - ref) ** 2))
+    assert psnr > 25, psnr  # int8 (a random tiny model): near torch, not equal to it
+
+
+@pytest.mark.slow
 def test_engines_auto_builds_the_controlnet_and_residual_unet_on_first_use(tmp_path):
     pipe = accelerate(control_pipe(), engines="auto", engine_dir=str(tmp_path), precision="fp32", sampler="Euler",
                       backend="onnxruntime")

@@ -425,10 +425,27 @@ def test_create_config_binding_check_catches_a_wrong_name():
 
 @pytest.fixture(scope="module")
 def tiny_specs():
-    from sd_accel.components import specs_for
-    from sd_accel.models.builtin import build_tiny_pipeline
+    """Every component's spec of the tiny SD 1.5 and SDXL pipelines, with the ControlNet kinds
+    (``controlnet``, ``unet_control``: their residual inputs and outputs get profiles too)."""
+    import diffusers
 
-    return {family: specs_for(build_tiny_pipeline(family)) for family in ("sd15", "sdxl")}
+    from sd_accel.components import specs_for
+    from sd_accel.components.controlnet import control_specs
+    from sd_accel.models.builtin import build_tiny_pipeline
+    from sd_accel.models.tiny_controlnet import tiny_controlnet
+
+    out = {}
+    for family in ("sd15", "sdxl"):
+        pipe = build_tiny_pipeline(family)
+        xl = "XL" if family == "sdxl" else ""
+        parts = {k: v for k, v in pipe.components.items() if k not in ("safety_checker", "feature_extractor",
+                                                                     "image_encoder")}
+        extra = {} if xl else {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+        control = getattr(diffusers, f"StableDiffusion{xl}ControlNetPipeline")(
+            **parts, controlnet=tiny_controlnet(pipe.unet), **extra)
+        out[family] = {**specs_for(pipe), **control_specs(control)}
+        assert {"controlnet", "unet_control"} <= set(out[family])
+    return out
 
 
 @pytest.mark.parametrize("preset", ["static-512", "static-768", "static-1024", "dynamic-256-512",
