@@ -336,8 +336,8 @@ def test_openvino_int8_controlnet_and_residual_unet_calibrate_on_control_runs(tm
     (control_file,) = [f for f in (tmp_path / "calibration").glob("*-unet_control-*.npz")]
     feeds = CalibrationSet.load("unet_control", control_file).feeds
     assert feeds and all(np.abs(f["mid"]).max() > 0 for f in feeds)  # residuals the net really gave
-    pipe = accelerate(control_pipe(), engines=True, engine_dir=str(tmp_path), precision="int8", sampler="Euler",
-                      backend="openvino")
+    pipe = accelerate(control_pipe(), engines=True, engine_dir=str(tmp_path), precision="fp32",
+                      engine_precision="int8", sampler="Euler", backend="openvino")
     out, ref = run(pipe), torch_ref()
     s = stats(pipe)
     assert s["controlnet"]["engine_calls"] == STEPS and s["unet_control"]["engine_calls"] == STEPS
