@@ -41,8 +41,9 @@ LIST_ROUTE = f"GET {PREFIX}/engines"
 class BuildBody(BaseModel):
     """``POST /sd-accel/build``. ``profile`` is ``{"batch": [1, 1, 4], "height": 512, ...}``
     (ints or [min, opt, max]); give it or ``preset`` (default: the settings' preset).
-    ``components``: any of ``unet``, ``vae_decoder``, ``vae_encoder``, ``clip`` (default:
-    ``unet``, ``vae_decoder`` and ``clip``)."""
+    ``components``: any of ``unet``, ``vae_decoder``, ``vae_encoder``, ``clip`` and, on Forge,
+    ``unet_control`` (the UNet taking ControlNet residuals) (default: ``unet``, ``vae_decoder``
+    and ``clip``)."""
 
     checkpoint: str | None = None
     preset: str | None = None

@@ -188,7 +188,8 @@ DEFAULT_COMPONENTS = tuple(c for c in COMPONENTS if c in SHARED_DEFAULTS)
 
 
 def components_of(components) -> tuple[str, ...]:
-    """User-facing component names checked (``unet``, ``vae_decoder``, ``vae_encoder``, ``clip``)."""
+    """User-facing component names checked (``unet``, ``vae_decoder``, ``vae_encoder``, ``clip``,
+    ``unet_control``)."""
     wanted = tuple(DEFAULT_COMPONENTS if components is None else components)
     unknown = [c for c in wanted if c not in COMPONENTS]
     if unknown or not wanted:
