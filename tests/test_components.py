@@ -261,7 +261,7 @@ def test_missing_module_is_left_out(tiny_sdxl):
 
 def test_every_face_uses_the_one_component_vocabulary():
     """core.py names the components once; the specs, the runtime's slots, the CLI's aliases, the
-    panel and the WebUI read those names (the WebUI's model has no clip2)."""
+    panel and the WebUI read those names (the WebUI's model has no clip2; it has unet_control on Forge)."""
     from sd_accel import core
     from sd_accel.components import COMPONENTS
     from sd_accel.runtime.swap import SLOTS
@@ -273,5 +273,8 @@ def test_every_face_uses_the_one_component_vocabulary():
                      "vae": ("vae_decoder", "vae_encoder")}
     assert core.COMPONENT_ALIASES["vae"] == SLOTS["vae"]
     assert state.DEFAULT_COMPONENTS == core.DEFAULT_COMPONENTS == ("clip", "clip2", "unet", "vae_decoder")
-    assert set(stand_ins.COMPONENTS) <= set(core.COMPONENTS)
+    from sd_accel.components.controlnet import CONTROL_UNET
+
+    # (the WebUI's ControlNet UNet is the same name as a diffusers ControlNet pipeline's)
+    assert set(stand_ins.COMPONENTS) <= {*core.COMPONENTS, CONTROL_UNET}
     assert jobs.DEFAULT_COMPONENTS == ("unet", "vae_decoder", "clip")  # the WebUI builds the UNet first
