@@ -18,10 +18,9 @@ convolution with padding 1 rounds up), symbols ``H8d{k}``/``W8d{k}``; level 0 is
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from sd_accel.components.levels import _level, _level_dims, _level_ranges, residual_layout
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.components.unet import UNetSpec, export_latent_size, to_latent, vae_scale_factor
 from sd_accel.core import UnsupportedComponent
@@ -31,37 +30,10 @@ CONTROLNET = "controlnet"
 CONTROL_UNET = "unet_control"
 
 
-def residual_layout(config) -> tuple[list[tuple[int, int]], tuple[int, int]]:
-    """(channels, level) of each down residual, and of the mid residual, of a UNet or ControlNet
-    config (both have the same layout: conv_in, then each block's resnets and its downsampler).
-
-    >>> residual_layout({"block_out_channels": [32, 64], "layers_per_block": 1})
-    ([(32, 0), (32, 0), (32, 1), (64, 1)], (64, 1))
-    """
-    blocks = list(config["block_out_channels"])
-    per = config["layers_per_block"]
-    out = [(blocks[0], 0)]
-    for i, ch in enumerate(blocks):
-        n = per if isinstance(per, int) else per[i]
-        out += [(ch, i)] * n
-        if i < len(blocks) - 1:
-            out.append((ch, i + 1))
-    return out, (blocks[-1], len(blocks) - 1)
-
-
 def residual_names(config) -> list[str]:
     """``down_0`` .. ``down_{n-1}``, ``mid``: the engine names of a layout's residuals."""
     down, _ = residual_layout(config)
     return [f"down_{i}" for i in range(len(down))] + ["mid"]
-
-
-def _level(level: int, axis: str) -> str:
-    return f"{axis}8" if level == 0 else f"{axis}8d{level}"
-
-
-def _level_range(r: Range, level: int) -> Range:
-    f = 2**level
-    return (math.ceil(r[0] / f), math.ceil(r[1] / f), math.ceil(r[2] / f))
 
 
 def _residual_specs(config, batch: str = "B2") -> tuple[TensorSpec, ...]:
@@ -71,21 +43,6 @@ def _residual_specs(config, batch: str = "B2") -> tuple[TensorSpec, ...]:
              for i, (ch, lv) in enumerate(down)]
     specs.append(TensorSpec("mid", (batch, mid_ch, _level(mid_level, "H"), _level(mid_level, "W")), f32))
     return tuple(specs)
-
-
-def _level_ranges(config, h8: Range, w8: Range) -> dict[str, Range]:
-    down, (_, mid_level) = residual_layout(config)
-    levels = {lv for _, lv in down} | {mid_level}
-    out: dict[str, Range] = {}
-    for lv in sorted(levels - {0}):
-        out[_level(lv, "H")] = _level_range(h8, lv)
-        out[_level(lv, "W")] = _level_range(w8, lv)
-    return out
-
-
-def _level_dims(config, dims: dict[str, int]) -> dict[str, int]:
-    ranges = _level_ranges(config, (dims["H8"],) * 3, (dims["W8"],) * 3)
-    return {k: v[0] for k, v in ranges.items()}
 
 
 # ---------------------------------------------------------------------------------- ControlNet
@@ -295,15 +252,18 @@ def control_key(index: int) -> str:
 
 def control_specs(pipe) -> dict[str, ComponentSpec]:
     """The specs a ControlNet pipeline adds to :func:`sd_accel.components.specs_for`'s: one per
-    ControlNet (:func:`control_key`) and the residual-taking UNet; empty for other pipelines. One
-    that cannot be exported is left out (it runs in torch) with the reason in the log."""
+    ControlNet (:func:`control_key`) and the residual-taking UNet; a T2I-Adapter pipeline's
+    feature-taking UNet (``unet_adapter``, :mod:`sd_accel.components.adapter`); empty for other
+    pipelines. One that cannot be exported is left out (it runs in torch) with the reason in the log."""
     import logging
 
+    from sd_accel.components.adapter import adapter_specs
+
     log = logging.getLogger("sd_accel")
+    out: dict[str, ComponentSpec] = dict(adapter_specs(pipe))
     nets = controlnets_of(pipe)
     if not nets:
-        return {}
-    out: dict[str, ComponentSpec] = {}
+        return out
     for i, net in enumerate(nets):
         try:
             out[control_key(i)] = ControlNetSpec(pipe, net)

@@ -170,7 +170,10 @@ class EngineUNet(EngineModule):
         # ControlNet residuals go to the residual-taking engines (sd_accel.runtime.control), when swapped in
         control = "unet_control" in self.engines and kwargs.get("down_block_additional_residuals") is not None \
             and kwargs.get("mid_block_additional_residual") is not None
-        engines = self.engines["unet_control" if control else "unet"]
+        # T2I-Adapter features go to the feature-taking engines (sd_accel.components.adapter)
+        adapter = not control and "unet_adapter" in self.engines \
+            and kwargs.get("down_intrablock_additional_residuals") is not None
+        engines = self.engines["unet_control" if control else "unet_adapter" if adapter else "unet"]
         return_dict = kwargs.get("return_dict", True)
         cak = kwargs.get("cross_attention_kwargs") or {}
         scale = float(cak["scale"]) if set(cak) == {"scale"} else None  # a LoRA scale for this call
@@ -183,7 +186,15 @@ class EngineUNet(EngineModule):
 
                 scale_lora_layers(self.torch_module, scale)
                 scaled = True
-            reason = self.stale() or self._unsupported(args, kwargs, lora_scale=scale, control=control)
+            reason = self.stale() or self._unsupported(args, kwargs, lora_scale=scale, control=control,
+                                                        adapter=adapter)
+            features = kwargs.get("down_intrablock_additional_residuals") if adapter else None
+            names: list[str] = []
+            if reason is None and adapter:
+                names = self._adapter_names()
+                if len(features) != len(names):
+                    reason = (f"the T2I-Adapter gave {len(features)} features, the engine takes {len(names)} "
+                              "(one per down block)")
             if reason is not None:
                 engines.torch_call(reason)
             elif control:
@@ -200,7 +211,11 @@ class EngineUNet(EngineModule):
                 except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
                     engines.torch_call(f"inputs the engine cannot take ({type(exc).__name__}: {exc})")
                 else:
-                    shared = self._shared_for(feed)
+                    if adapter:
+                        feed.update({n: f.float() for n, f in zip(names, features, strict=True)})
+                        shared = None
+                    else:
+                        shared = self._shared_for(feed)
                     out = shared[0].run(shared[1], need=("latent",)) if shared else engines.run(feed, need=("latent",))
         finally:
             if scaled:  # torch (a fallback below) scales by itself
@@ -212,11 +227,17 @@ class EngineUNet(EngineModule):
         latent = out["latent"] if control else _out(out["latent"], sample, sample.dtype)
         return UNet2DConditionOutput(sample=latent) if return_dict else (latent,)
 
+    def _adapter_names(self) -> list[str]:
+        from sd_accel.components.adapter import adapter_names
+
+        return adapter_names(self.torch_module.config)
+
     def _unsupported(self, args: tuple, kwargs: dict, lora_scale: float | None = None,
-                     control: bool = False) -> str | None:
+                     control: bool = False, adapter: bool = False) -> str | None:
         if args:
             return "positional arguments beyond (sample, timestep, encoder_hidden_states)"
         taken = ("down_block_additional_residuals", "mid_block_additional_residual") if control else ()
+        taken += ("down_intrablock_additional_residuals",) if adapter else ()
         used = [k for k in self._UNSUPPORTED if kwargs.get(k) is not None and k not in taken]
         guided = self.torch_module.config.get("time_cond_proj_dim") is not None
         if kwargs.get("timestep_cond") is not None and (not guided or control):

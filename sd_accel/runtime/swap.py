@@ -73,14 +73,17 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
     log says why.
     """
     from sd_accel.components import specs_for
+    from sd_accel.components.adapter import ADAPTER_UNET
     from sd_accel.components.controlnet import CONTROL_UNET, control_specs
     from sd_accel.onnx.fingerprint import fingerprint
 
     unswap(pipe)
     specs = specs_for(pipe)
-    control = control_specs(pipe)  # a ControlNet pipeline's: its ControlNets and the residual-taking UNet
-    if CONTROL_UNET in control:
-        specs[CONTROL_UNET] = control[CONTROL_UNET]
+    # a ControlNet pipeline's: its ControlNets and the residual-taking UNet; a T2I-Adapter pipeline's UNet
+    control = control_specs(pipe)
+    for unet_kind in (CONTROL_UNET, ADAPTER_UNET):
+        if unet_kind in control:
+            specs[unet_kind] = control[unet_kind]
     if builder is not None:
         builder.on_built = lambda component: _after_build(pipe, component, cache, park_weights)
     found: dict[str, int] = {}
@@ -89,7 +92,7 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         if module is None:
             continue
         engines: dict[str, ComponentEngines] = {}
-        for component in (*components, CONTROL_UNET) if slot == "unet" else components:
+        for component in (*components, CONTROL_UNET, ADAPTER_UNET) if slot == "unet" else components:
             if component not in specs:
                 continue
             # Hashing reads every weight: hand back the pages of memory-mapped ones as it goes.

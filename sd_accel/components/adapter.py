@@ -1,0 +1,98 @@
+"""T2I-Adapter: ``unet_adapter``, the UNet that takes a T2I-Adapter's features as inputs.
+
+A T2I-Adapter (diffusers ``T2IAdapter`` / ``MultiAdapter``) is a small convolutional network that
+runs once per image on the control image (at latent size after its pixel unshuffle); the UNet then
+gets its features at every step as ``down_intrablock_additional_residuals`` and adds feature ``k``
+to the hidden states of down block ``k`` (after its last resnet/attention pair, before its
+downsampler). So the adapter stays in torch (one cheap call per image) and the UNet runs on an
+engine with those features as inputs ``adapter_0`` .. ``adapter_{n-1}``: ``(B2, C_k, H8/2^k, W8/2^k)``,
+``C_k`` the UNet's ``block_out_channels[k]``. One engine serves any adapter of that UNet, any
+``adapter_conditioning_scale`` (already in the features) and the steps past
+``adapter_conditioning_factor`` (no features: the plain ``unet`` engine).
+
+Adapters whose feature count is not the UNet's number of down blocks (SDXL's ``full_adapter_xl``
+adds one more after the middle block) keep to torch for their calls, with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sd_accel.components.levels import _level, _level_dims, _level_ranges
+from sd_accel.components.spec import ComponentSpec, TensorSpec
+from sd_accel.components.unet import UNetSpec
+from sd_accel.profiles import Profile, Range
+
+ADAPTER_UNET = "unet_adapter"
+
+
+def adapter_layout(config) -> list[tuple[int, int]]:
+    """(channels, level) of each adapter feature a UNet config takes: one per down block.
+
+    >>> adapter_layout({"block_out_channels": [320, 640, 1280, 1280]})
+    [(320, 0), (640, 1), (1280, 2), (1280, 3)]
+    """
+    return [(ch, k) for k, ch in enumerate(config["block_out_channels"])]
+
+
+def adapter_names(config) -> list[str]:
+    """``adapter_0`` .. ``adapter_{n-1}``: the engine's feature inputs."""
+    return [f"adapter_{k}" for k in range(len(adapter_layout(config)))]
+
+
+class _AdapterUNetExport(torch.nn.Module):
+    def __init__(self, unet: torch.nn.Module, xl: bool, n_added: int) -> None:
+        super().__init__()
+        self.unet = unet
+        self.xl = xl
+        self.n_added = n_added
+
+    def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        added, features = rest[: self.n_added], rest[self.n_added:]
+        added_cond_kwargs = {"text_embeds": added[0], "time_ids": added[1]} if self.xl else None
+        out = self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
+                        down_intrablock_additional_residuals=list(features), return_dict=False)[0]
+        return (out,)
+
+
+class AdapterUNetSpec(UNetSpec):
+    """``pipe.unet`` with the T2I-Adapter features as inputs (after the plain UNet's)."""
+
+    name = ADAPTER_UNET
+
+    def adapter_names(self) -> list[str]:
+        return adapter_names(self._cfg)
+
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        f32 = torch.float32
+        features = tuple(TensorSpec(f"adapter_{i}", ("B2", ch, _level(lv, "H"), _level(lv, "W")), f32)
+                         for i, (ch, lv) in enumerate(adapter_layout(self._cfg)))
+        return (*super().inputs(), *features)
+
+    def export_module(self) -> torch.nn.Module:
+        return _AdapterUNetExport(self.pipe.unet, self.xl, 2 if self.xl else 0)
+
+    def dim_ranges(self, profile: Profile) -> dict[str, Range]:
+        ranges = super().dim_ranges(profile)
+        return {**ranges, **_level_ranges(self._cfg, ranges["H8"], ranges["W8"])}
+
+    def export_dims(self) -> dict[str, int]:
+        dims = super().export_dims()
+        return {**dims, **_level_dims(self._cfg, dims)}
+
+    def sample_feed(self, dims: dict[str, int], seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The plain UNet's feed, and features ~N(0, 0.5): validation sees them change the output."""
+        feed = super().sample_feed(dims, seed=seed, device="cpu")
+        for name in self.adapter_names():
+            feed[name] = feed[name] * 0.5
+        return {k: v.to(device) for k, v in feed.items()}
+
+
+def adapter_specs(pipe) -> dict[str, ComponentSpec]:
+    """``{"unet_adapter": spec}`` for a T2I-Adapter pipeline (one with ``pipe.adapter``), else empty."""
+    if getattr(pipe, "adapter", None) is None or getattr(pipe, "unet", None) is None:
+        return {}
+    return {ADAPTER_UNET: AdapterUNetSpec(pipe)}
+
+
+__all__ = ["ADAPTER_UNET", "AdapterUNetSpec", "adapter_layout", "adapter_names", "adapter_specs"]
