@@ -118,3 +118,26 @@ def test_engines_auto_builds_the_feature_taking_unet_on_first_use(tmp_path):
     s = stats(pipe)
     assert len(s["unet_adapter"]["builds"]) == 1 and s["unet_adapter"]["engine_calls"] == STEPS
     assert np.abs(out - torch_ref(adapter_conditioning_scale=0.8)).max() < 2e-3
+
+
+def test_changed_weights_never_run_stale_engines_and_refit_serves_the_adapter_unet(adapter_engines, tmp_path):
+    import shutil
+
+    from sd_accel import refit_engines
+
+    engine_dir = shutil.copytree(adapter_engines[0], tmp_path / "engines")
+    pipe = accelerate(adapter_pipe(), engines=True, engine_dir=str(engine_dir), precision="fp32", sampler="Euler",
+                      backend="onnxruntime")
+    with torch.no_grad():  # a weight edit (what a fused LoRA does)
+        pipe.unet.torch_module.conv_in.weight.mul_(1.1)
+    pipe.unet.touched()
+    changed = adapter_pipe()
+    with torch.no_grad():
+        changed.unet.conv_in.weight.mul_(1.1)
+    ref = run(accelerate(changed, precision="fp32", sampler="Euler"), adapter_conditioning_scale=0.8)
+    assert np.abs(run(pipe, adapter_conditioning_scale=0.8) - ref).max() < 2e-3
+    s = stats(pipe)["unet_adapter"]
+    assert s["torch_calls"] == STEPS and any("weights changed" in why for why in s["fallbacks"])
+    assert "unet_adapter" in refit_engines(pipe, progress=False)
+    assert np.abs(run(pipe, adapter_conditioning_scale=0.8) - ref).max() < 2e-3
+    assert stats(pipe)["unet_adapter"]["engine_calls"] == STEPS
