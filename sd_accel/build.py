@@ -241,9 +241,10 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
             tick(0.4, "capturing calibration data from prompt runs")
             calibration, holdout = split_holdout(calibration_for(spec, profile, cache.root))
         scopes = int8_scopes(be, precision, validate_it)
+        memo: dict = {}  # what the checks of one scope leave for the next (torch's picture)
         for attempt, scope in enumerate(scopes, 1):
             files, result = _build_and_check(be, spec, artifact, profile, shapes, precision, slot.dir, tick,
-                                             validate_it, holdout, calibration, scope)
+                                             validate_it, holdout, calibration, scope, memo)
             if result is None or result.ok:
                 break
             if attempt == len(scopes):
@@ -266,7 +267,7 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
 
 
 def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: str, out_dir: Path, tick: Progress,
-                     validate_it: bool, holdout, calibration, int8_scope: str | None):
+                     validate_it: bool, holdout, calibration, int8_scope: str | None, memo: dict | None = None):
     """One backend build into ``out_dir`` and, when asked, its check against torch: (files,
     validation or None)."""
     from sd_accel.onnx.export import full_model
@@ -282,7 +283,8 @@ def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: st
     tick(0.85, "validating against torch")
     runner = be.load(out_dir, files, shapes)
     try:
-        return files, validate(spec, runner, profile, precision, device=be.torch_device, feeds=holdout or None)
+        return files, validate(spec, runner, profile, precision, device=be.torch_device, feeds=holdout or None,
+                               memo=memo)
     finally:
         runner.close()
 

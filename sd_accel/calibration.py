@@ -44,8 +44,9 @@ def _np(t: torch.Tensor, like: torch.dtype) -> np.ndarray:
     return (t.to(torch.float32) if like.is_floating_point else t.to(like)).numpy().copy()
 
 
-def _feed_from_call(spec, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
-    """Map one forward call's arguments to the spec's input names (positional first, then kwargs)."""
+def feed_from_call(spec, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
+    """Map one forward call's arguments to the spec's input names (positional first, then kwargs):
+    what the engine of ``spec`` would be fed for that call."""
     names = [t.name for t in spec.inputs()]
     dtypes = {t.name: t.dtype for t in spec.inputs()}
     values: dict[str, torch.Tensor] = dict(zip(names, args, strict=False))
@@ -107,7 +108,7 @@ def capture_calibration(
         def hook(_m, args, kwargs):
             if only_with_residuals and kwargs.get("mid_block_additional_residual") is None:
                 return
-            sets[name].feeds.append(_feed_from_call(spec, args, kwargs))
+            sets[name].feeds.append(feed_from_call(spec, args, kwargs))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
@@ -119,26 +120,51 @@ def capture_calibration(
         if control_key(i) in specs:
             capture(net, control_key(i))
     try:
-        with torch.no_grad():
-            for i, prompt in enumerate(prompts):
-                g = torch.Generator("cpu").manual_seed(seed + i)
-                control = {}
-                if nets:  # a ControlNet pipeline needs its control image(s)
-                    from sd_accel.models.hints import synthetic_edges
-
-                    hints = [synthetic_edges((width, height), seed=seed + i + 7 * n) for n in range(len(nets))]
-                    control = {"image": hints[0] if len(nets) == 1 else hints}
-                out = pipe(
-                    [prompt] * batch, height=height, width=width, num_inference_steps=steps,
-                    guidance_scale=guidance_scale, generator=g, output_type="latent", **control,
-                )
-                if "vae_decoder" in specs:
-                    latents = out.images / pipe.vae.config.scaling_factor
-                    sets["vae_decoder"].feeds.append({"latent": _np(latents, torch.float32)})
+        for i, prompt in enumerate(prompts):
+            latents = prompt_run(pipe, prompt, i, height=height, width=width, batch=batch, steps=steps,
+                                 guidance_scale=guidance_scale, seed=seed)
+            if "vae_decoder" in specs:
+                sets["vae_decoder"].feeds.append({"latent": _np(latents / pipe.vae.config.scaling_factor,
+                                                                torch.float32)})
     finally:
         for h in handles:
             h.remove()
     return sets
+
+
+def prompt_run(pipe, prompt: str, index: int, *, height: int, width: int, batch: int = 1, steps: int = 8,
+               guidance_scale: float = 7.5, seed: int = 0) -> torch.Tensor:
+    """The final latents (scaled as the UNet sees them) of calibration run ``index`` on ``prompt``:
+    its generator seed, and for a ControlNet pipeline its made-up edge maps, follow from ``index``,
+    so the run can be made again (the int8 UNet's image check makes it again on the engine)."""
+    from sd_accel.components.controlnet import controlnets_of
+
+    nets = controlnets_of(pipe)
+    g = torch.Generator("cpu").manual_seed(seed + index)
+    control = {}
+    if nets:  # a ControlNet pipeline needs its control image(s)
+        from sd_accel.models.hints import synthetic_edges
+
+        hints = [synthetic_edges((width, height), seed=seed + index + 7 * n) for n in range(len(nets))]
+        control = {"image": hints[0] if len(nets) == 1 else hints}
+    with torch.no_grad():
+        return pipe([prompt] * batch, height=height, width=width, num_inference_steps=steps,
+                    guidance_scale=guidance_scale, generator=g, output_type="latent", **control).images
+
+
+def replay(pipe, profile, prompts: Sequence[str] = CALIBRATION_PROMPTS[:4], steps: int = 8) -> torch.Tensor:
+    """The final latents of the last of :func:`calibration_for`'s runs at ``profile``, made again
+    with whatever the pipeline holds now (the int8 UNet's image check puts its engine in)."""
+    return prompt_run(pipe, prompts[-1], len(prompts) - 1, **run_settings(profile, prompts, steps))
+
+
+def run_settings(profile, prompts: Sequence[str] = CALIBRATION_PROMPTS[:4], steps: int = 8) -> dict:
+    """What :func:`calibration_for` runs the pipeline with at ``profile``: size, batch, steps and
+    guidance (``prompt_run``'s keywords). A profile without CFG (``cfg=False``: one UNet row per
+    image, the few-step recipes) is calibrated on calls without it: with guidance the captured
+    UNet feeds had twice its batch."""
+    return {"height": profile.height[1], "width": profile.width[1], "batch": profile.batch[1], "steps": steps,
+            "guidance_scale": 7.5 if getattr(profile, "cfg", True) else 1.0}
 
 
 def _cache_file(cache_root: Path, fingerprint: str, component: str, shapes: dict, prompts, steps: int) -> Path:
@@ -166,15 +192,12 @@ def calibration_for(
     path = _cache_file(cache_root, fingerprint(spec.torch_module()), spec.name, shapes, prompts, steps)
     if path.exists():
         return CalibrationSet.load(spec.name, path)
-    height, width, batch = profile.height[1], profile.width[1], profile.batch[1]
     specs = {n: s for n, s in specs_for(pipe).items() if n in ("unet", "vae_decoder", "clip")}
     specs.update(control_specs(pipe))  # a ControlNet pipeline's nets and residual-taking UNet
-    log.info("capturing calibration data: %d prompts x %d steps at %dx%d", len(prompts), steps, width, height)
-    # A profile without CFG (``cfg=False``: one UNet row per image, the few-step recipes) is
-    # calibrated on calls without it: with guidance the captured UNet feeds had twice its batch.
-    guidance = 7.5 if getattr(profile, "cfg", True) else 1.0
-    sets = capture_calibration(pipe, specs, height=height, width=width, batch=batch, prompts=prompts, steps=steps,
-                               guidance_scale=guidance)
+    settings = run_settings(profile, prompts, steps)
+    log.info("capturing calibration data: %d prompts x %d steps at %dx%d", len(prompts), steps, settings["width"],
+             settings["height"])
+    sets = capture_calibration(pipe, specs, prompts=prompts, **settings)
     mine = None
     for name, cset in sets.items():
         s = specs[name]

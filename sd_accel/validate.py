@@ -46,6 +46,14 @@ TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 5e-2, "int8": 0.1, "int8-dynami
 # 45 dB a decoder adds at most 1.4 dB of error to an image already 40 dB from fp32 (int8 UNets):
 # errors add as mean squares, 10*log10(1 + 10**((40 - 45) / 10)) = 1.2 dB.
 IMAGE_PSNR = {"int8": 45.0, "int8-dynamic": 45.0}
+# An int8 UNet is judged by the image as well: per call it is 3-8% off on SD 1.5 (random weights),
+# which says little about what many steps of it do to a picture. The last calibration prompt is
+# generated again with the engine in place of the torch UNet (same seed, steps, guidance:
+# ``calibration.replay``), both final latents decoded by the pipeline's VAE in torch fp32, and the
+# pictures compared. Measured at 20 steps (scripts/BENCHMARKS.md): sd-accel's int8 UNets 38-41 dB,
+# optimum-intel's hybrid int8 34.6-40.3 dB (what CPU users run as int8), bf16 48 dB. Below 35 dB
+# the build tries the next int8 scope, then refuses int8 (build bf16).
+UNET_IMAGE_PSNR = {"int8": 35.0, "int8-dynamic": 35.0}
 # A component whose outputs only feed another one (a ControlNet's residuals feed the UNet) and
 # misses the tolerance on those outputs is judged again by what it does to its consumer's output:
 # the consumer in torch fp32 fed the engine's outputs vs fed torch's, against the same tolerance.
@@ -70,7 +78,8 @@ class Validation:
     # point -> each compared batch item's relative L2 error (its worst output): what a copy of this
     # engine with new weights is held to (validate's ``baseline``)
     item_rel: dict[str, list[float]] = field(default_factory=dict)
-    # a decoder's worst image PSNR (dB) over the points checked, against torch fp32 (None: no image output)
+    # a decoder's worst image PSNR (dB) over the points checked, against torch fp32; an int8 UNet's
+    # picture PSNR (``unet_image_psnr``); None: neither
     image_psnr: float | None = None
     # for a component judged by its consumer (``spec.consumer()``): the worst relative error of the
     # consumer's output fed this engine's outputs, where its own outputs missed the tolerance
@@ -153,6 +162,48 @@ def image_psnr(got: torch.Tensor, ref: torch.Tensor) -> float:
 # ---- memory: Linux's /proc (elsewhere the estimate is skipped and max always runs) ---------------
 
 
+def unet_image_psnr(spec, runner, profile: Profile, memo: dict | None = None) -> float | None:
+    """PSNR (dB) of the picture the pipeline makes with ``runner`` as its UNet against the one its
+    torch UNet makes, on the last calibration prompt (:func:`sd_accel.calibration.replay`), both
+    decoded by the pipeline's VAE in torch fp32. ``memo`` keeps the torch picture between the int8
+    scopes one build tries. None where ``spec`` is not a diffusers pipeline's UNet (the WebUI's
+    and ComfyUI's have no pipeline to run)."""
+    from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+    from sd_accel.calibration import feed_from_call, replay
+    from sd_accel.components.controlnet import controlnets_of
+
+    pipe = getattr(spec, "pipe", None)
+    unet, vae = getattr(pipe, "unet", None), getattr(pipe, "vae", None)
+    # (a ControlNet pipeline's UNet calls carry residuals, which are another engine's: unet_control)
+    if spec.name != "unet" or unet is None or vae is None or not callable(pipe) or controlnets_of(pipe):
+        return None
+    memo = {} if memo is None else memo
+    out_name = spec.outputs()[0].name
+
+    def picture(latents: torch.Tensor) -> torch.Tensor:
+        with fp32_on(vae), torch.no_grad():
+            return vae.decode(latents.float() / vae.config.scaling_factor).sample
+
+    def on_engine(*args, **kwargs):
+        feed = {k: torch.from_numpy(v) for k, v in feed_from_call(spec, args, kwargs).items()}
+        sample = runner.infer(feed)[out_name].to(args[0].dtype)
+        return UNet2DConditionOutput(sample=sample) if kwargs.get("return_dict", True) else (sample,)
+
+    if "torch" not in memo:
+        memo["torch"] = picture(replay(pipe, profile))
+    own = unet.__dict__.get("forward")  # accelerate's hooks set one; put it back after
+    unet.forward = on_engine
+    try:
+        got = picture(replay(pipe, profile))
+    finally:
+        if own is None:
+            del unet.forward
+        else:
+            unet.forward = own
+    return image_psnr(got, memo["torch"])
+
+
 def _rss_bytes() -> int | None:
     try:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -228,6 +279,7 @@ def _max_fits(spec, opt_dims: dict | None, max_dims: dict, opt_growth: int | Non
 def validate(
     spec, runner, profile: Profile, precision: str, device: str = "cpu", feeds: list[dict] | None = None,
     items: int | None = None, points: tuple[str, ...] | None = None, baseline: dict | None = None,
+    memo: dict | None = None,
 ) -> Validation:
     """Run engine and torch on the same sample feeds (at opt, and at max for dynamic profiles), or
     on ``feeds``: real inputs (INT8 engines are checked on captured inputs held out of calibration).
@@ -252,7 +304,11 @@ def validate(
     batch met (SD 1.5 with random weights in bf16: item 0 at 5.6e-2 where the batch is at 4.2e-2,
     against 5e-2); new weights leave that error about as it was, a wrong weight adds its own to
     it. As strict as judging the batch: there, the room for a wrong weight's error is
-    sqrt(5e-2^2 - 4.2e-2^2) = 2.8e-2; here sqrt(1.1^2 - 1) x 5.6e-2 = 2.6e-2."""
+    sqrt(5e-2^2 - 4.2e-2^2) = 2.8e-2; here sqrt(1.1^2 - 1) x 5.6e-2 = 2.6e-2.
+
+    An int8 UNet checked on captured ``feeds`` that passes is also judged by the picture its
+    pipeline makes (:func:`unet_image_psnr`, :data:`UNET_IMAGE_PSNR`); ``memo`` keeps the torch
+    picture for the next scope's check."""
     if items is not None and items < 1:
         raise ValueError(f"items must be at least 1 (or None: every batch item), not {items}")
     worst_abs, worst_rel = 0.0, 0.0
@@ -338,6 +394,16 @@ def validate(
                     refused.append(f"image PSNR {psnr:.1f} dB at {label} is below {psnr_gate:.0f} dB for {precision}")
             worst_abs, worst_rel = max(worst_abs, err_abs), max(worst_rel, err_rel)
             del got, ref, feed
+    unet_gate = UNET_IMAGE_PSNR.get(precision) if feeds is not None and items is None else None
+    if unet_gate is not None and not refused:
+        psnr = unet_image_psnr(spec, runner, profile, memo)
+        if psnr is not None:
+            log.info("validation of %s: the calibration prompt's picture on the engine is %.1f dB from torch's",
+                     spec.name, psnr)
+            worst_psnr = psnr
+            if psnr < unet_gate:
+                refused.append(f"the picture its pipeline makes on it is {psnr:.1f} dB from torch's (last "
+                               f"calibration prompt), below {unet_gate:.0f} dB for {precision}")
     ok = not refused
     why = "; ".join(refused)
     return Validation(worst_abs, worst_rel, checked, ok, why, skipped, item_rel,

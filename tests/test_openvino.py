@@ -336,6 +336,35 @@ def test_int8_vae_decoder_below_the_image_psnr_gate_is_refused_in_every_scope(in
     assert not [r for r in EngineCache(tmp_path).list() if r.key.component == "vae_decoder"]
 
 
+@pytest.mark.slow
+@needs_nncf
+def test_int8_unet_is_judged_by_its_picture_in_every_scope_and_torch_runs_once(int8_built, tmp_path, monkeypatch,
+                                                                             caplog):
+    """Issue 31, part 2: the int8 UNet's scope is chosen by the picture too. The fixture's engine
+    recorded its picture's PSNR; with the gate above what int8 reaches, the wide scope is refused
+    by its picture, the safe one is tried and refused the same way, torch's picture is made once
+    for both, and the error says to build the float precision."""
+    import sd_accel.calibration as calibration
+    import sd_accel.validate as validate
+    from sd_accel import EngineCache
+    from sd_accel.core import ValidationFailed
+
+    assert 35.0 <= int8_built[1]["int8"].validation["image_psnr"] < 200
+    shutil.copytree(int8_built[0] / "calibration", tmp_path / "calibration")
+    monkeypatch.setitem(validate.TOLERANCE, "int8", 1.0)  # the tiny UNet's wide scope misses 10% per call
+    monkeypatch.setitem(validate.UNET_IMAGE_PSNR, "int8", 150.0)
+    runs = []
+    real = calibration.replay
+    monkeypatch.setattr(calibration, "replay", lambda *a, **k: runs.append(1) or real(*a, **k))
+    with caplog.at_level(logging.WARNING, logger="sd_accel"), pytest.raises(ValidationFailed) as err:
+        build_engines(load_pipeline("builtin:tiny-sd15"), profiles=[STATIC], backend="openvino", precision="int8",
+                      components=["unet"], engine_dir=tmp_path, progress=False)
+    assert "int8 with the wide scope failed validation (the picture its pipeline makes on it is" in caplog.text
+    assert "int8 missed it in every scope tried (wide, safe) on this machine: build unet in" in str(err.value)
+    assert len(runs) == 3  # torch once, then the engine of each scope
+    assert not [r for r in EngineCache(tmp_path).list() if r.key.component == "unet"]
+
+
 def _resident_bytes_of(folder) -> int:
     """Resident bytes of this process's mappings of the files under ``folder`` (/proc/self/smaps)."""
 
