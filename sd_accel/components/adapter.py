@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from sd_accel.components.levels import _level, _level_dims, _level_ranges
+from sd_accel.components.levels import LevelInputs, _level
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.components.unet import UNetSpec
-from sd_accel.profiles import Profile, Range
 
 ADAPTER_UNET = "unet_adapter"
 
@@ -55,7 +54,7 @@ class _AdapterUNetExport(torch.nn.Module):
         return (out,)
 
 
-class AdapterUNetSpec(UNetSpec):
+class AdapterUNetSpec(LevelInputs, UNetSpec):
     """``pipe.unet`` with the T2I-Adapter features as inputs (after the plain UNet's)."""
 
     name = ADAPTER_UNET
@@ -72,20 +71,7 @@ class AdapterUNetSpec(UNetSpec):
     def export_module(self) -> torch.nn.Module:
         return _AdapterUNetExport(self.pipe.unet, self.xl, 2 if self.xl else 0)
 
-    def dim_ranges(self, profile: Profile) -> dict[str, Range]:
-        ranges = super().dim_ranges(profile)
-        return {**ranges, **_level_ranges(self._cfg, ranges["H8"], ranges["W8"])}
-
-    def export_dims(self) -> dict[str, int]:
-        dims = super().export_dims()
-        return {**dims, **_level_dims(self._cfg, dims)}
-
-    def sample_feed(self, dims: dict[str, int], seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """The plain UNet's feed, and features ~N(0, 0.5): validation sees them change the output."""
-        feed = super().sample_feed(dims, seed=seed, device="cpu")
-        for name in self.adapter_names():
-            feed[name] = feed[name] * 0.5
-        return {k: v.to(device) for k, v in feed.items()}
+    extra_names = adapter_names
 
 
 def adapter_specs(pipe) -> dict[str, ComponentSpec]:

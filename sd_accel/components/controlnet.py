@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from sd_accel.components.levels import _level, _level_dims, _level_ranges, residual_layout
+from sd_accel.components.levels import LevelInputs, _level, _level_dims, _level_ranges, residual_layout
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.components.unet import UNetSpec, export_latent_size, to_latent, vae_scale_factor
 from sd_accel.core import UnsupportedComponent
@@ -201,7 +201,7 @@ class _ControlUNetExport(torch.nn.Module):
         return (out,)
 
 
-class ControlUNetSpec(UNetSpec):
+class ControlUNetSpec(LevelInputs, UNetSpec):
     """``pipe.unet`` with the ControlNet residuals as inputs (after the plain UNet's, in
     :func:`residual_names` order)."""
 
@@ -216,20 +216,7 @@ class ControlUNetSpec(UNetSpec):
     def export_module(self) -> torch.nn.Module:
         return _ControlUNetExport(self.pipe.unet, self.xl, 2 if self.xl else 0)
 
-    def dim_ranges(self, profile: Profile) -> dict[str, Range]:
-        ranges = super().dim_ranges(profile)
-        return {**ranges, **_level_ranges(self._cfg, ranges["H8"], ranges["W8"])}
-
-    def export_dims(self) -> dict[str, int]:
-        dims = super().export_dims()
-        return {**dims, **_level_dims(self._cfg, dims)}
-
-    def sample_feed(self, dims: dict[str, int], seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """The plain UNet's feed, and residuals ~N(0, 0.5): validation sees them change the output."""
-        feed = super().sample_feed(dims, seed=seed, device="cpu")
-        for name in self.residual_names():
-            feed[name] = feed[name] * 0.5
-        return {k: v.to(device) for k, v in feed.items()}
+    extra_names = residual_names
 
 
 # ---------------------------------------------------------------------------------- the pipeline

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from sd_accel.components.controlnet import _level_dims, _level_ranges, _residual_specs, residual_layout
+from sd_accel.components.controlnet import _residual_specs, residual_layout
 from sd_accel.components.ldm_unet import LdmDims, LdmUNetSpec
+from sd_accel.components.levels import LevelInputs
 from sd_accel.components.spec import TensorSpec
 from sd_accel.core import UnsupportedComponent
-from sd_accel.profiles import Profile, Range
 
 COMPONENT = "ldm_unet_control"
 
@@ -69,7 +69,7 @@ class _LdmControlExport(torch.nn.Module):
         return (self.unet(x, timesteps, context=context, control=control, **kwargs),)
 
 
-class LdmControlUNetSpec(LdmUNetSpec):
+class LdmControlUNetSpec(LevelInputs, LdmUNetSpec):
     """The host's LDM UNet with ``control`` residuals as inputs (after the plain one's).
 
     >>> spec = LdmControlUNetSpec(comfy_unet)                                # doctest: +SKIP
@@ -94,24 +94,14 @@ class LdmControlUNetSpec(LdmUNetSpec):
     def export_module(self) -> torch.nn.Module:
         return _LdmControlExport(self.unet, self.xl)
 
-    def dim_ranges(self, profile: Profile) -> dict[str, Range]:
-        ranges = super().dim_ranges(profile)
-        return {**ranges, **_level_ranges(self.layout, ranges["H8"], ranges["W8"])}
+    def level_config(self):
+        return self.layout
 
-    def export_dims(self) -> dict[str, int]:
-        dims = super().export_dims()
-        return {**dims, **_level_dims(self.layout, dims)}
+    extra_names = control_names
 
     def _runs_at(self, side: int) -> bool:
         # the probe feeds no residuals: the plain call (control=None) tells the same
         return LdmUNetSpec(self.unet, self.dims, self.num_train_timesteps)._runs_at(side)
-
-    def sample_feed(self, dims: dict[str, int], seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """The plain UNet's feed, and residuals ~N(0, 0.5): validation sees them change the output."""
-        feed = super().sample_feed(dims, seed=seed, device="cpu")
-        for name in self.control_names():
-            feed[name] = feed[name] * 0.5
-        return {k: v.to(device) for k, v in feed.items()}
 
 
 def sliced_control(control: dict | None, part: slice) -> dict | None:

@@ -50,3 +50,32 @@ def _level_ranges(config, h8: Range, w8: Range) -> dict[str, Range]:
 def _level_dims(config, dims: dict[str, int]) -> dict[str, int]:
     ranges = _level_ranges(config, (dims["H8"],) * 3, (dims["W8"],) * 3)
     return {k: v[0] for k, v in ranges.items()}
+
+
+class LevelInputs:
+    """Mixin for a UNet spec whose extra inputs sit at the down path's levels (ControlNet
+    residuals, T2I-Adapter features), listed before the plain UNet spec among the bases: the
+    levels' symbols get ranges and export sizes after the plain UNet's, and the sample feed gives
+    the extra inputs ~N(0, 0.5), so that validation sees them change the output. The spec says
+    which layout (``level_config``: a UNet config, or an LDM UNet's layout) and which inputs
+    (``extra_names``)."""
+
+    def level_config(self):
+        return self._cfg
+
+    def extra_names(self) -> list[str]:
+        return []
+
+    def dim_ranges(self, profile) -> dict[str, Range]:
+        ranges = super().dim_ranges(profile)
+        return {**ranges, **_level_ranges(self.level_config(), ranges["H8"], ranges["W8"])}
+
+    def export_dims(self) -> dict[str, int]:
+        dims = super().export_dims()
+        return {**dims, **_level_dims(self.level_config(), dims)}
+
+    def sample_feed(self, dims: dict[str, int], seed: int = 0, device: str = "cpu") -> dict:
+        feed = super().sample_feed(dims, seed=seed, device="cpu")
+        for name in self.extra_names():
+            feed[name] = feed[name] * 0.5
+        return {k: v.to(device) for k, v in feed.items()}
