@@ -187,7 +187,8 @@ def unet_image_psnr(spec, runner, profile: Profile, memo: dict | None = None) ->
 
     def on_engine(*args, **kwargs):
         feed = {k: torch.from_numpy(v) for k, v in feed_from_call(spec, args, kwargs).items()}
-        sample = runner.infer(feed)[out_name].to(args[0].dtype)
+        like = args[0] if args else kwargs["sample"]
+        sample = runner.infer(feed)[out_name].to(like.dtype)
         return UNet2DConditionOutput(sample=sample) if kwargs.get("return_dict", True) else (sample,)
 
     if "torch" not in memo:
