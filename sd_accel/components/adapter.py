@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sd_accel.components.levels import LevelInputs, _level
+from sd_accel.components.levels import LevelInputs, LevelInputsExport, _level
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.components.unet import UNetSpec
 
@@ -39,19 +39,8 @@ def adapter_names(config) -> list[str]:
     return [f"adapter_{k}" for k in range(len(adapter_layout(config)))]
 
 
-class _AdapterUNetExport(torch.nn.Module):
-    def __init__(self, unet: torch.nn.Module, xl: bool, n_added: int) -> None:
-        super().__init__()
-        self.unet = unet
-        self.xl = xl
-        self.n_added = n_added
-
-    def forward(self, sample, timestep, encoder_hidden_states, *rest):
-        added, features = rest[: self.n_added], rest[self.n_added:]
-        added_cond_kwargs = {"text_embeds": added[0], "time_ids": added[1]} if self.xl else None
-        out = self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
-                        down_intrablock_additional_residuals=list(features), return_dict=False)[0]
-        return (out,)
+def _adapter_kwargs(features: tuple) -> dict:
+    return {"down_intrablock_additional_residuals": list(features)}
 
 
 class AdapterUNetSpec(LevelInputs, UNetSpec):
@@ -69,7 +58,7 @@ class AdapterUNetSpec(LevelInputs, UNetSpec):
         return (*super().inputs(), *features)
 
     def export_module(self) -> torch.nn.Module:
-        return _AdapterUNetExport(self.pipe.unet, self.xl, 2 if self.xl else 0)
+        return LevelInputsExport(self.pipe.unet, self.xl, _adapter_kwargs)
 
     extra_names = adapter_names
 

@@ -20,7 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from sd_accel.components.levels import LevelInputs, _level, _level_dims, _level_ranges, residual_layout
+from sd_accel.components.levels import (
+    LevelInputs,
+    LevelInputsExport,
+    _level,
+    _level_dims,
+    _level_ranges,
+    residual_layout,
+)
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.components.unet import UNetSpec, export_latent_size, to_latent, vae_scale_factor
 from sd_accel.core import UnsupportedComponent
@@ -185,20 +192,8 @@ class ControlNetSpec(ComponentSpec):
 # ---------------------------------------------------------------------------------- the UNet
 
 
-class _ControlUNetExport(torch.nn.Module):
-    def __init__(self, unet: torch.nn.Module, xl: bool, n_added: int) -> None:
-        super().__init__()
-        self.unet = unet
-        self.xl = xl
-        self.n_added = n_added
-
-    def forward(self, sample, timestep, encoder_hidden_states, *rest):
-        added, residuals = rest[: self.n_added], rest[self.n_added:]
-        added_cond_kwargs = {"text_embeds": added[0], "time_ids": added[1]} if self.xl else None
-        out = self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
-                        down_block_additional_residuals=list(residuals[:-1]),
-                        mid_block_additional_residual=residuals[-1], return_dict=False)[0]
-        return (out,)
+def _residual_kwargs(residuals: tuple) -> dict:
+    return {"down_block_additional_residuals": list(residuals[:-1]), "mid_block_additional_residual": residuals[-1]}
 
 
 class ControlUNetSpec(LevelInputs, UNetSpec):
@@ -214,7 +209,7 @@ class ControlUNetSpec(LevelInputs, UNetSpec):
         return residual_names(self._cfg)
 
     def export_module(self) -> torch.nn.Module:
-        return _ControlUNetExport(self.pipe.unet, self.xl, 2 if self.xl else 0)
+        return LevelInputsExport(self.pipe.unet, self.xl, _residual_kwargs)
 
     extra_names = residual_names
 

@@ -6,6 +6,9 @@ padding 1 rounds up; symbols ``H8d{k}``/``W8d{k}``, level 0 is ``H8``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+
+import torch
 
 from sd_accel.profiles import Range
 
@@ -79,3 +82,23 @@ class LevelInputs:
         for name in self.extra_names():
             feed[name] = feed[name] * 0.5
         return {k: v.to(device) for k, v in feed.items()}
+
+
+class LevelInputsExport(torch.nn.Module):
+    """What the ONNX export of such a spec traces: ``pipe.unet`` called with the plain UNet's
+    inputs (SDXL's two added conditions after the text), the rest handed to the UNet as the
+    keywords ``route`` makes of them (a module-level function: the export stays picklable)."""
+
+    def __init__(self, unet: torch.nn.Module, xl: bool, route: Callable[[tuple], dict]) -> None:
+        super().__init__()
+        self.unet = unet
+        self.xl = xl
+        self.route = route
+
+    def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        n_added = 2 if self.xl else 0
+        added, extras = rest[:n_added], rest[n_added:]
+        added_cond_kwargs = {"text_embeds": added[0], "time_ids": added[1]} if self.xl else None
+        out = self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
+                        return_dict=False, **self.route(extras))[0]
+        return (out,)
