@@ -1,5 +1,8 @@
 """Built-in tiny models: ``builtin:tiny-sd15``, ``builtin:tiny-sdxl`` (and ``builtin:tiny-sd2``),
-``builtin:tiny-sd15-lcm`` (an LCM-distilled UNet: ``time_cond_proj_dim``, the LCM scheduler), and
+``builtin:tiny-sd15-lcm`` (an LCM-distilled UNet: ``time_cond_proj_dim``, the LCM scheduler), the
+transformer families ``builtin:tiny-sd3`` (SD 3.5 Medium's MMDiT with its dual-attention layer and
+qk-norm, two CLIPs and T5), ``builtin:tiny-flux`` (FLUX.1 schnell: no guidance embedding) and
+``builtin:tiny-flux-dev`` (with it), and
 the tiny autoencoder ``builtin:taesd`` (TAESD's architecture: ``--tiny-vae builtin:taesd``).
 
 Built once from configs with seeded random weights, saved as a diffusers folder in the cache,
@@ -21,7 +24,8 @@ from sd_accel.models.tiny import TINY_OVERRIDES
 from sd_accel.paths import cache_dir
 
 PREFIX = "builtin:"
-BUILTINS: dict[str, str] = {"tiny-sd15": "sd15", "tiny-sd2": "sd2-v", "tiny-sdxl": "sdxl", "tiny-sd15-lcm": "sd15"}
+BUILTINS: dict[str, str] = {"tiny-sd15": "sd15", "tiny-sd2": "sd2-v", "tiny-sdxl": "sdxl", "tiny-sd15-lcm": "sd15",
+                            "tiny-sd3": "sd3", "tiny-flux": "flux-schnell", "tiny-flux-dev": "flux-dev"}
 # what a built-in model changes in its family's tiny configs: the LCM one is what LCM-distilled
 # checkpoints (LCM Dreamshaper v7) are, the guidance embedding of 256 included
 _CHANGES: dict[str, dict[str, dict]] = {"tiny-sd15-lcm": {

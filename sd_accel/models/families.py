@@ -1,7 +1,7 @@
 """Model families sd-accel knows, and the diffusers config folders shipped for each.
 
 The folders under ``configs/`` are the real configs of the reference models (SD 1.5, SD 2.1 768-v,
-SD 2.1 base, SDXL base 1.0). A checkpoint is loaded with its family's folder, refitted to the
+SD 2.1 base, SDXL base 1.0, SD 3.5 Medium, FLUX.1 dev and schnell). A checkpoint is loaded with its family's folder, refitted to the
 shapes the checkpoint actually has (see :mod:`sd_accel.models.fit`), so nothing is downloaded.
 """
 
@@ -29,6 +29,13 @@ class Family:
     name: str  # folder under configs/
     title: str
     is_xl: bool = False
+    # what denoises: "unet" (SD 1.x/2.x/SDXL), or the transformer of "sd3" (SD3 / SD3.5: MMDiT)
+    # or "flux" (FLUX.1), whose components live under sd_accel/components/<kind>/
+    denoiser: str = "unet"
+
+    @property
+    def transformer(self) -> bool:
+        return self.denoiser != "unet"
 
     @property
     def config_dir(self) -> Path:
@@ -42,6 +49,9 @@ FAMILIES: dict[str, Family] = {
         Family("sd2-v", "Stable Diffusion 2.x (768, v-prediction)"),
         Family("sd2-base", "Stable Diffusion 2.x (512 base, epsilon)"),
         Family("sdxl", "Stable Diffusion XL base", is_xl=True),
+        Family("sd3", "Stable Diffusion 3.5 Medium", denoiser="sd3"),
+        Family("flux-dev", "FLUX.1 dev", denoiser="flux"),
+        Family("flux-schnell", "FLUX.1 schnell", denoiser="flux"),
     )
 }
 

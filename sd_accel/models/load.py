@@ -161,7 +161,11 @@ def load_diffusers_folder(path: Path, *, torch_dtype: torch.dtype | None = None)
         kwargs["torch_dtype"] = torch_dtype
     pipe = diffusers.DiffusionPipeline.from_pretrained(str(path), **kwargs)
     family = _folder_family(pipe)
-    inpaint = getattr(pipe.unet.config, "in_channels", 4) == 9
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    # (SD 1.x/2.x/SDXL inpainting UNets take 9 channels; the transformer families' inpaint pipelines
+    # take the plain model, and the pipeline class says so)
+    inpaint = getattr(denoiser.config, "in_channels", 4) == 9 if hasattr(pipe, "unet") else \
+        "Inpaint" in type(pipe).__name__
     pipe.sd_accel_model = ModelInfo(
         str(path), family, inpaint, pipe.scheduler.config.get("prediction_type", "epsilon")
     )
@@ -169,6 +173,15 @@ def load_diffusers_folder(path: Path, *, torch_dtype: torch.dtype | None = None)
 
 
 def _folder_family(pipe: diffusers.DiffusionPipeline) -> str:
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is not None:
+        name = type(transformer).__name__
+        if name.startswith("SD3"):
+            return "sd3"
+        if name.startswith("Flux"):
+            return "flux-dev" if transformer.config.get("guidance_embeds") else "flux-schnell"
+        raise CheckpointError(f"the pipeline's transformer is a {name}; sd-accel knows SD3 / SD3.5 "
+                              "(SD3Transformer2DModel) and FLUX.1 (FluxTransformer2DModel)")
     if hasattr(pipe, "text_encoder_2"):
         return "sdxl"
     te = getattr(pipe, "text_encoder", None)

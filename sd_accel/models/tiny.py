@@ -61,3 +61,31 @@ TINY_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 TINY_OVERRIDES["sd2-base"] = TINY_OVERRIDES["sd2-v"]
+
+# The transformer families. SD3 concatenates both CLIPs' hidden states padded to T5's width, so the
+# tiny T5 is as wide as the two tiny CLIPs together (the real one: 4096 >= 768 + 1280); T5 keeps
+# its real 32,128-token vocabulary (the shipped tokenizer's ids must fit).
+_TINY_T5 = {"d_model": 192, "d_ff": 256, "d_kv": 16, "num_heads": 4, "num_layers": 2, "num_decoder_layers": 2}
+_TINY_CLIP2 = dict(_TINY_CLIP, hidden_size=128, intermediate_size=256, num_attention_heads=2, projection_dim=128)
+TINY_OVERRIDES["sd3"] = {
+    "transformer/config.json": {
+        "attention_head_dim": 16, "num_attention_heads": 2, "num_layers": 2, "dual_attention_layers": [0],
+        "caption_projection_dim": 32, "joint_attention_dim": 192, "pooled_projection_dim": 64 + 128,
+        "pos_embed_max_size": 96, "sample_size": 32,
+    },
+    "vae/config.json": _TINY_VAE,
+    "text_encoder/config.json": dict(_TINY_CLIP, projection_dim=64),
+    "text_encoder_2/config.json": _TINY_CLIP2,
+    "text_encoder_3/config.json": _TINY_T5,
+}
+_TINY_FLUX = {
+    "transformer/config.json": {
+        "attention_head_dim": 16, "axes_dims_rope": [4, 6, 6], "num_attention_heads": 2, "num_layers": 1,
+        "num_single_layers": 2, "joint_attention_dim": 192, "pooled_projection_dim": 64,
+    },
+    "vae/config.json": _TINY_VAE,
+    "text_encoder/config.json": dict(_TINY_CLIP, projection_dim=64),
+    "text_encoder_2/config.json": _TINY_T5,
+}
+TINY_OVERRIDES["flux-dev"] = _TINY_FLUX
+TINY_OVERRIDES["flux-schnell"] = _TINY_FLUX
