@@ -103,17 +103,25 @@ class CalibrationSet:
 # The one vocabulary of every face (CLI, panel, WebUI, serve). The specs behind the names are in
 # sd_accel.components (whose order this is); the names live here so that the CLI and the panels
 # read them without importing torch.
-COMPONENTS: tuple[str, ...] = ("clip", "clip2", "unet", "vae_decoder", "vae_encoder")
-# The pipeline attribute each component stands in for (the VAE serves two).
-PIPELINE_ATTRIBUTE: dict[str, str] = {"clip": "text_encoder", "clip2": "text_encoder_2", "unet": "unet",
-                                      "vae_decoder": "vae", "vae_encoder": "vae"}
+COMPONENTS: tuple[str, ...] = ("clip", "clip2", "t5", "unet", "transformer", "vae_decoder", "vae_encoder")
+# The pipeline attributes each component may stand in for (the VAE serves two components). ``t5``
+# is SD3's ``text_encoder_3`` and FLUX.1's ``text_encoder_2`` (where SDXL and SD3 have CLIP-G, clip2):
+# the spec of each tells by the module's class (sd_accel.components.specs_for).
+PIPELINE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "clip": ("text_encoder",), "clip2": ("text_encoder_2",), "t5": ("text_encoder_3", "text_encoder_2"),
+    "unet": ("unet",), "transformer": ("transformer",), "vae_decoder": ("vae",), "vae_encoder": ("vae",)}
+# The first (or only) one of each.
+PIPELINE_ATTRIBUTE: dict[str, str] = {c: attrs[0] for c, attrs in PIPELINE_ATTRIBUTES.items()}
 # What a face builds when not told: vae_encoder only serves img2img, and leaving it out keeps the
-# first build shorter. A face offers the ones its model has (the WebUI's has no clip2).
-DEFAULT_COMPONENTS: tuple[str, ...] = ("clip", "clip2", "unet", "vae_decoder")
+# first build shorter. A face offers the ones its model has (the WebUI's has no clip2; SD 1.x has
+# no t5 and no transformer, SD3 and FLUX.1 no unet).
+DEFAULT_COMPONENTS: tuple[str, ...] = ("clip", "clip2", "t5", "unet", "transformer", "vae_decoder")
 # Names that stand for several components (``--components vae``): the text encoders, the VAE's halves.
 COMPONENT_ALIASES: dict[str, tuple[str, ...]] = {
     "clip": ("clip", "clip2"),
+    "text": ("clip", "clip2", "t5"),
     "unet": ("unet",),
+    "denoiser": ("unet", "transformer"),
     "vae": tuple(c for c, attr in PIPELINE_ATTRIBUTE.items() if attr == "vae"),
 }
 

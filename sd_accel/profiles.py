@@ -81,12 +81,18 @@ class Profile:
 
     >>> Profile(batch=(1, 1, 2), height=(64, 64, 136), width=(64, 64, 136), tokens=(77, 77, 154)).tag
     'b1-2.h64-136.w64-136.t77-154.opt1x64x64'
+    >>> Profile(batch=1, height=1024, width=1024, text=(128, 256, 512)).tag
+    'b1.h1024.w1024.t77.l128-512.opt1x1024x1024'
     """
 
     batch: Range
     height: Range
     width: Range
     tokens: Range = (TOKEN_CHUNK, TOKEN_CHUNK, TOKEN_CHUNK)
+    # T5's sequence length (SD3 / SD3.5, FLUX.1: ``max_sequence_length``), any number up to 512;
+    # None: the pipeline's default (SD3 256, FLUX.1 512). Their CLIPs stay at 77 (``tokens``).
+    # Tagged ``.l256`` when given.
+    text: Range | None = None
     # False: the UNet runs one row per image (CFG <= 1: Turbo, LCM-LoRA at CFG 1), so a static
     # engine of batch b takes b rows, not 2b. A guidance-embedded (LCM-distilled) UNet never
     # doubles, whatever this says. Tagged ``.nocfg``.
@@ -95,6 +101,8 @@ class Profile:
     def __post_init__(self) -> None:
         for name in ("batch", "height", "width", "tokens"):
             object.__setattr__(self, name, _range(name, getattr(self, name)))
+        if self.text is not None:
+            object.__setattr__(self, "text", _range("text", self.text))
         for name in ("height", "width"):
             bad = [v for v in getattr(self, name) if v % 8]
             if bad:
@@ -109,9 +117,10 @@ class Profile:
             return value
         if not isinstance(value, dict):
             raise InvalidValue(f"a profile must be a Profile or a dict, got {type(value).__name__}")
-        unknown = set(value) - {"batch", "height", "width", "tokens", "cfg"}
+        unknown = set(value) - {"batch", "height", "width", "tokens", "text", "cfg"}
         if unknown:
-            raise InvalidValue(f"unknown profile fields {sorted(unknown)}; use batch, height, width, tokens (and cfg)")
+            raise InvalidValue(f"unknown profile fields {sorted(unknown)}; use batch, height, width, tokens "
+                               "(and text, cfg)")
         missing = {"batch", "height", "width"} - set(value)
         if missing:
             raise InvalidValue(f"profile dict lacks {sorted(missing)}")
@@ -119,7 +128,7 @@ class Profile:
 
     @property
     def static(self) -> bool:
-        return all(r[0] == r[2] for r in (self.batch, self.height, self.width, self.tokens))
+        return all(r[0] == r[2] for r in (self.batch, self.height, self.width, self.tokens, self.text or (0, 0, 0)))
 
     @property
     def tag(self) -> str:
@@ -129,6 +138,8 @@ class Profile:
             return f"{letter}{r[0]}" if r[0] == r[2] else f"{letter}{r[0]}-{r[2]}"
 
         body = ".".join(part(k[0], getattr(self, k)) for k in ("batch", "height", "width", "tokens"))
+        if self.text is not None:
+            body += "." + part("l", self.text)
         suffix = "" if self.cfg else ".nocfg"
         if self.static:
             return "static." + body + suffix
@@ -142,6 +153,8 @@ class Profile:
 
         >>> Profile.from_tag("b1-2.h64-136.w64-136.t77-154.opt1x64x64").height
         (64, 64, 136)
+        >>> Profile.from_tag("static.b1.h1024.w1024.t77.l256").text
+        (256, 256, 256)
         """
         body, opt_text = tag, None
         cfg = not body.endswith(".nocfg")
@@ -151,6 +164,8 @@ class Profile:
         else:
             body, _, opt_text = body.rpartition(".opt")
         parts = body.split(".")
+        text = parse_range("text", parts.pop()[1:]) if len(parts) == len(DIMENSIONS) + 1 and parts[-1][:1] == "l" \
+            else None
         try:
             if len(parts) != len(DIMENSIONS) or [p[:1] for p in parts] != [d[0] for d in DIMENSIONS]:
                 raise InvalidValue("not b.h.w.t")
@@ -159,7 +174,7 @@ class Profile:
                 opts = [int(v) for v in opt_text.split("x")]
                 for d, value in zip(DIMENSIONS[:3], opts, strict=True):
                     ranges[d] = (ranges[d][0], value, ranges[d][2])
-            profile = cls(**ranges, cfg=cfg)
+            profile = cls(**ranges, text=text, cfg=cfg)
         except ValueError:
             profile = None
         if profile is None or profile.tag != tag:
@@ -171,6 +186,8 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: list(getattr(self, k)) for k in ("batch", "height", "width", "tokens")}
+        if self.text is not None:
+            out["text"] = list(self.text)
         if not self.cfg:
             out["cfg"] = False
         return out
@@ -196,5 +213,8 @@ def preset(name: str) -> Profile:
 
 
 def default_preset(family: str) -> str:
-    """SDXL defaults to static 1024 (its native size); SD 2.x 768-v to 768; others to 512."""
-    return {"sdxl": "static-1024", "sd2-v": "static-768"}.get(family, "static-512")
+    """SDXL, SD3 / SD3.5 and FLUX.1 default to static 1024 (their native size); SD 2.x 768-v to 768;
+    others to 512."""
+    native = {"sdxl": "static-1024", "sd2-v": "static-768", "sd3": "static-1024", "flux-dev": "static-1024",
+              "flux-schnell": "static-1024"}
+    return native.get(family, "static-512")

@@ -98,13 +98,14 @@ def _points(spec, profile: Profile) -> dict[str, dict[str, int]]:
 
 
 def reference(module: torch.nn.Module, feed: dict[str, torch.Tensor], items: int | None = None,
-              start: int = 0) -> tuple[torch.Tensor, ...]:
+              start: int = 0, whole: frozenset[str] = frozenset()) -> tuple[torch.Tensor, ...]:
     """``module``'s outputs for ``feed``, computed one batch item at a time and concatenated: items
-    ``start`` to the end, or to ``start + items`` when given."""
+    ``start`` to the end, or to ``start + items`` when given. The inputs named in ``whole`` have no
+    batch axis (FLUX.1's positions): every item gets them whole."""
     batch = next(iter(feed.values())).shape[0]
     parts = []
     for i in range(start, batch if items is None else min(start + items, batch)):
-        out = module(*(v[i : i + 1] for v in feed.values()))
+        out = module(*(v if k in whole else v[i : i + 1] for k, v in feed.items()))
         parts.append(out if isinstance(out, tuple) else (out,))
     return tuple(torch.cat(chunks) for chunks in zip(*parts, strict=True))
 
@@ -347,7 +348,7 @@ def validate(
             }
             with _PeakSampler() as sampler:
                 got = runner.infer(feed)
-                ref = reference(ref_module, feed, items)
+                ref = reference(ref_module, feed, items, whole=spec.unbatched())
             if label == "opt":
                 opt_growth = sampler.growth
             checked.append(label)
@@ -363,7 +364,7 @@ def validate(
                 log.info("validation of %s: batch item(s) %s at %s off by %s (tolerance %.0e, base engine %s); "
                          "judging on the whole batch", spec.name, list(range(len(per_item))), label,
                          [f"{x:.2e}" for x in per_item], tol, base or "not recorded")
-                rest = reference(ref_module, feed, start=len(per_item))
+                rest = reference(ref_module, feed, start=len(per_item), whole=spec.unbatched())
                 ref = tuple(torch.cat(pair) for pair in zip(ref, rest, strict=True))
                 err_abs, err_rel, per_item, bad = _errors(names, got, ref)
                 within = err_rel <= tol

@@ -19,6 +19,12 @@ from sd_accel.core import InvalidValue
 from sd_accel.profiles import TOKEN_CHUNK, Profile, Range
 
 
+def is_clip(module) -> bool:
+    """A transformers CLIP text model (with or without projection): SDXL's and SD3's
+    ``text_encoder_2`` is one, FLUX.1's is T5."""
+    return type(getattr(module, "torch_module", module)).__name__.startswith("CLIP")
+
+
 class _ClipExport(torch.nn.Module):
     """Positional ``input_ids`` in, a flat tuple out (what the ONNX tracer needs)."""
 

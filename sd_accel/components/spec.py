@@ -27,7 +27,14 @@ class TensorSpec:
 class ComponentSpec(ABC):
     """One component of one pipeline. Subclasses set ``name`` and fill the abstract methods."""
 
-    name: str  # "clip", "clip2", "unet", "vae_decoder", "vae_encoder"
+    name: str  # one of core.COMPONENTS: "clip", "clip2", "t5", "unet", "transformer", "vae_decoder", ...
+
+    @property
+    def attribute(self) -> str:
+        """The pipeline attribute whose module this component stands in for."""
+        from sd_accel.core import PIPELINE_ATTRIBUTE
+
+        return PIPELINE_ATTRIBUTE[self.name]
 
     def __init__(self, pipe) -> None:
         self.pipe = pipe
@@ -68,6 +75,11 @@ class ComponentSpec(ABC):
 
     def shapes(self, dims: dict[str, int]) -> dict[str, tuple[int, ...]]:
         return {t.name: tuple(d if isinstance(d, int) else dims[d] for d in t.dims) for t in self.inputs()}
+
+    def unbatched(self) -> frozenset[str]:
+        """The inputs without a batch axis (FLUX.1's ``img_ids`` / ``txt_ids``): a batch is never
+        split along them."""
+        return frozenset(t.name for t in self.inputs() if not (t.dims and str(t.dims[0]).startswith("B")))
 
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
         return {

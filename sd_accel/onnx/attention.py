@@ -119,6 +119,34 @@ class ExportAttnProcessor:
         return hidden_states / attn.rescale_output_factor
 
 
+def _matmul_softmax(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    if is_causal or dropout_p or enable_gqa:
+        raise NotImplementedError("export attention: causal, dropout and GQA are not exported")
+    head_dim = int(query.shape[-1])  # fixed by the model: a constant in the graph
+    # the scale after the first MatMul: on Q, OpenVINO folds it into the qk-norm's weight before
+    # (one per-lane constant) and then refuses that as the fused attention's scale
+    scores = torch.matmul(query, key.transpose(-1, -2)) * (scale if scale is not None else head_dim**-0.5)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    return torch.matmul(scores.softmax(dim=-1), value)
+
+
+@contextlib.contextmanager
+def _explicit_sdpa() -> Iterator[None]:
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _matmul_softmax
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def _joint(processor) -> bool:
+    name = type(processor).__name__
+    return "Joint" in name or "Flux" in name
+
+
 @contextlib.contextmanager
 def _diffusers_processor(module: torch.nn.Module, processor) -> Iterator[None]:
     """``processor`` on every attention layer of a diffusers ``module``; the previous ones after."""
@@ -126,6 +154,14 @@ def _diffusers_processor(module: torch.nn.Module, processor) -> Iterator[None]:
         yield
         return
     saved = module.attn_processors  # a fresh dict of the current processor objects
+    if any(_joint(p) for p in saved.values()):
+        # SD3's and FLUX.1's joint attention (text and image tokens in one softmax) keep their own
+        # processors, which call F.scaled_dot_product_attention on 4-D heads: for export it is
+        # written as the pattern above (the exporter's own decomposition computes the scale from
+        # the traced shape, which OpenVINO's CPU plugin fails to infer on dynamic graphs)
+        with _explicit_sdpa() if not getattr(processor, "sdpa", True) else contextlib.nullcontext():
+            yield
+        return
     module.set_attn_processor(processor)
     try:
         yield

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +46,8 @@ from sd_accel.pages import kept_released, release_file
 
 if TYPE_CHECKING:
     from sd_accel.core import CalibrationSet
+
+log = logging.getLogger("sd_accel")
 
 ENGINE_FILE = "engine.blob"  # the compiled graph, without weights
 WEIGHTS_FILE = "engine.bin"  # the weights, in the engine's storage precision
@@ -68,6 +71,28 @@ def has_bf16() -> bool:
 
 def _has_nncf() -> bool:
     return importlib.util.find_spec("nncf") is not None
+
+
+def _blob_runs(ov, out_dir: Path, precision: str, shapes: ShapeRanges) -> bool:
+    """Whether the weightless blob just exported runs a call at the smallest shapes once imported
+    (zeros in: only the shapes matter)."""
+    import numpy as np
+
+    config = {**compile_config(precision), "WEIGHTS_PATH": str(out_dir / WEIGHTS_FILE)}
+    try:
+        compiled = ov.Core().import_model((out_dir / ENGINE_FILE).read_bytes(), "CPU", config)
+        feed = {}
+        for port in compiled.inputs:
+            name = next((n for n in port.get_names() if n in shapes), None)
+            if name is not None:
+                dtype = np.int64 if "i64" in port.get_element_type().get_type_name() else \
+                    np.int32 if "i32" in port.get_element_type().get_type_name() else np.float32
+                feed[name] = np.zeros(shapes[name][0], dtype)
+        compiled.create_infer_request().infer(feed)
+    except RuntimeError as exc:
+        log.debug("the imported blob failed: %s", exc)
+        return False
+    return True
 
 
 def core_config(precision: str) -> dict[str, str]:
@@ -164,13 +189,24 @@ class OpenVinoBackend(Backend):
             progress(0.85, "exporting the compiled model (without weights)")
             (out_dir / ENGINE_FILE).write_bytes(compiled.export_model().getbuffer())
             del compiled
-            files = [ENGINE_FILE, WEIGHTS_FILE, META_FILE]
+            form = "blob"
+            if not _blob_runs(ov, out_dir, precision, shapes):
+                # OpenVINO 2026.4's weightless blob (CACHE_MODE=OPTIMIZE_SIZE) of SD3's and FLUX.1's
+                # transformers imports, then fails its first call in shape inference (a Multiply of
+                # the AdaLN or rotary branch); the same graph compiled from its IR runs. Keep the
+                # IR (a few MB beside engine.bin) and compile it when loaded instead.
+                log.info("%s: OpenVINO's compiled blob does not run this graph; the engine keeps its IR",
+                         onnx_path.parent.name)
+                (out_dir / ENGINE_FILE).unlink()
+                form = "ir"
+            files = [ENGINE_FILE if form == "blob" else _GRAPH_FILE, WEIGHTS_FILE, META_FILE]
             if precision != "int8":  # int8 weights carry calibrated scales: a refit rebuilds
                 progress(0.9, "mapping the weights in engine.bin (for refits)")
                 write_map(Path(onnx_path), out_dir / _GRAPH_FILE, out_dir / WEIGHTS_FILE, out_dir / MAP_FILE)
                 files.append(MAP_FILE)
-            (out_dir / _GRAPH_FILE).unlink()
-            (out_dir / META_FILE).write_text(json.dumps({"precision": precision, "weights": WEIGHTS_FILE}))
+            if form == "blob":
+                (out_dir / _GRAPH_FILE).unlink()
+            (out_dir / META_FILE).write_text(json.dumps({"precision": precision, "weights": WEIGHTS_FILE, "form": form}))
         except EngineError:  # BuildCancelled is one too
             raise
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
@@ -220,6 +256,9 @@ class OpenVinoBackend(Backend):
         engine_dir = Path(engine_dir)
         try:
             meta = json.loads((engine_dir / META_FILE).read_text())
+            if meta.get("form") == "ir":  # (see build: compiled here, the weights mapped from engine.bin)
+                compiled = ov.Core().compile_model(str(engine_dir / _GRAPH_FILE), "CPU", core_config(meta["precision"]))
+                return OpenVinoRunner(compiled, shapes, mapped=engine_dir)
             config = compile_config(meta["precision"])
             if meta.get("weights"):
                 config["WEIGHTS_PATH"] = str(engine_dir / meta["weights"])
