@@ -46,7 +46,7 @@ def out_shapes(spec, dims: dict[str, int]) -> dict[str, tuple[int, ...]]:
 
 
 def test_components_names():
-    assert COMPONENTS == ("clip", "clip2", "unet", "vae_decoder", "vae_encoder")
+    assert COMPONENTS == ("clip", "clip2", "t5", "unet", "transformer", "vae_decoder", "vae_encoder")
 
 
 def test_specs_for_each_family(tiny_sd15, sd2, tiny_sdxl, inpaint):
@@ -269,10 +269,11 @@ def test_every_face_uses_the_one_component_vocabulary():
     from sd_accel.webui import jobs, stand_ins
 
     assert COMPONENTS == core.COMPONENTS == state.COMPONENT_CHOICES
-    assert SLOTS == {"text_encoder": ("clip",), "text_encoder_2": ("clip2",), "unet": ("unet",),
-                     "vae": ("vae_decoder", "vae_encoder")}
+    assert SLOTS == {"text_encoder": ("clip",), "text_encoder_2": ("clip2", "t5"), "text_encoder_3": ("t5",),
+                     "unet": ("unet",), "transformer": ("transformer",), "vae": ("vae_decoder", "vae_encoder")}
     assert core.COMPONENT_ALIASES["vae"] == SLOTS["vae"]
-    assert state.DEFAULT_COMPONENTS == core.DEFAULT_COMPONENTS == ("clip", "clip2", "unet", "vae_decoder")
+    assert state.DEFAULT_COMPONENTS == core.DEFAULT_COMPONENTS == ("clip", "clip2", "t5", "unet", "transformer",
+                                                                   "vae_decoder")
     from sd_accel.components.controlnet import CONTROL_UNET
 
     # (the WebUI's ControlNet UNet is the same name as a diffusers ControlNet pipeline's)

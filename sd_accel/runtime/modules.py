@@ -31,7 +31,7 @@ STALE = "weights changed since the engines were built"
 _WHAT_TO_DO = "run sd_accel.refit_engines(pipe) to update the engines, or build new ones"
 
 _TITLES = {"unet": "UNet", "vae_decoder": "VAE", "vae_encoder": "VAE", "clip": "text encoder",
-           "clip2": "second text encoder"}
+           "clip2": "second text encoder", "t5": "T5 encoder", "transformer": "transformer"}
 
 
 def _out(t: torch.Tensor, like: torch.Tensor | torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -316,7 +316,7 @@ class EngineTextEncoder(EngineModule):
         elif attention_mask is not None or position_ids is not None or output_attentions:
             engines.torch_call("attention_mask / position_ids / attentions are not in the engine")
         else:
-            need = ("last_hidden_state", "text_embeds" if self.component == "clip2" else "pooler_output")
+            need = ("last_hidden_state", "text_embeds" if self.projected else "pooler_output")
             feed = {"input_ids": input_ids.to(torch.int32)}
             if engines.covering(feed) or not self.shared:
                 out = engines.run(feed, need=need)
@@ -343,6 +343,11 @@ class EngineTextEncoder(EngineModule):
         out = comfy.run({"embeds": embeds}, need=("last", "hidden"))
         return None if out is None else self._from_comfy(out, feed["input_ids"], embeds)
 
+    @property
+    def projected(self) -> bool:
+        """With a projection head (SDXL's and SD3's second encoder, SD3's first): ``text_embeds``."""
+        return hasattr(self.torch_module, "text_projection")
+
     def _text_model(self) -> torch.nn.Module:
         # transformers 5's CLIPTextModel is the text transformer itself; WithProjection (and 4.x) wrap it
         return getattr(self.torch_module, "text_model", self.torch_module)
@@ -363,7 +368,7 @@ class EngineTextEncoder(EngineModule):
             pooled = last[torch.arange(last.shape[0]), rows]
             result = {"last_hidden_state": last, "hidden_states.0": embeds + position}
             result.update({f"hidden_states.{i + 1}": hidden[:, i] for i in range(layers)})
-            if self.component == "clip2":
+            if self.projected:
                 result["text_embeds"] = self.torch_module.text_projection(pooled.to(self.torch_module.dtype)).float()
             else:
                 result["pooler_output"] = pooled
@@ -379,7 +384,7 @@ class EngineTextEncoder(EngineModule):
         if hidden:
             n = sum(1 for k in conv if k.startswith("hidden_states."))
             states = tuple(conv[f"hidden_states.{i}"] for i in range(n))
-        if self.component == "clip2":
+        if self.projected:
             result = CLIPTextModelOutput(text_embeds=conv["text_embeds"],
                                          last_hidden_state=conv["last_hidden_state"], hidden_states=states)
         else:

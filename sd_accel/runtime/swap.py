@@ -7,17 +7,20 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-from sd_accel.core import PIPELINE_ATTRIBUTE
+from sd_accel.core import PIPELINE_ATTRIBUTES
 from sd_accel.runtime.loader import engines_for
 from sd_accel.runtime.modules import EngineModule, EngineTextEncoder, EngineUNet, EngineVAE
 from sd_accel.runtime.selection import ComponentEngines
+from sd_accel.runtime.transformer import EngineT5, EngineTransformer
 from sd_accel.runtime.weights import PageDropper, park, parked, release
 
 log = logging.getLogger("sd_accel")
 
-# pipeline attribute -> the components it serves: text_encoder, text_encoder_2, unet, vae (both halves)
+# pipeline attribute -> the components it may serve: text_encoder, text_encoder_2 (CLIP-G or T5),
+# text_encoder_3 (T5), unet, transformer, vae (both halves)
 SLOTS: dict[str, tuple[str, ...]] = {
-    attr: tuple(c for c, a in PIPELINE_ATTRIBUTE.items() if a == attr) for attr in dict.fromkeys(PIPELINE_ATTRIBUTE.values())
+    attr: tuple(c for c, attrs in PIPELINE_ATTRIBUTES.items() if attr in attrs)
+    for attr in dict.fromkeys(a for attrs in PIPELINE_ATTRIBUTES.values() for a in attrs)
 }
 
 
@@ -93,8 +96,8 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
             continue
         engines: dict[str, ComponentEngines] = {}
         for component in (*components, CONTROL_UNET, ADAPTER_UNET) if slot == "unet" else components:
-            if component not in specs:
-                continue
+            if component not in specs or (component in PIPELINE_ATTRIBUTES and specs[component].attribute != slot):
+                continue  # (SD3's t5 is text_encoder_3, not text_encoder_2)
             # Hashing reads every weight: hand back the pages of memory-mapped ones as it goes.
             model = fingerprint(specs[component].torch_module(), each=PageDropper() if park_weights else None)
             engines[component] = engines_for(cache, backend, model, component, fallback=fallback,
@@ -183,8 +186,9 @@ def controlnet_wrappers(pipe) -> list:
 def _after_build(pipe, component: str, cache, park_weights: bool) -> None:
     """A new engine serves ``component``: park its module's weights, or, already parked, drop
     the pages the export and the validation read."""
-    slot = next((s for s, comps in SLOTS.items() if component in comps), "unet")  # unet_control: the UNet's
-    wrapper = getattr(pipe, slot, None)
+    wrapper = next((w for w in (getattr(pipe, s, None) for s in SLOTS)
+                    if isinstance(w, EngineModule) and component in w.engines), None)  # unet_control: the UNet's
+    slot = next((s for s in SLOTS if getattr(pipe, s, None) is wrapper), "unet")
     if component == "controlnet":
         return  # (its weights stay as they are: a ControlNet is small beside the UNet)
     if not isinstance(wrapper, EngineModule):
@@ -212,7 +216,11 @@ def _wrap(slot: str, module, engines: dict[str, ComponentEngines]) -> EngineModu
         return EngineUNet(module, engines)
     if slot == "vae":
         return EngineVAE(module, engines)
-    return EngineTextEncoder(module, engines, SLOTS[slot][0])
+    if "transformer" in engines:
+        return EngineTransformer(module, engines)
+    if "t5" in engines:
+        return EngineT5(module, engines)
+    return EngineTextEncoder(module, engines, next(iter(engines)))
 
 
 # Pipeline methods that must see the torch modules, not the stand-ins: saving (diffusers would

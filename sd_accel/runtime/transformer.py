@@ -1,0 +1,109 @@
+"""Engine-backed stand-ins for the transformer families' modules: ``pipe.transformer`` (SD3 /
+SD3.5's ``SD3Transformer2DModel``, FLUX.1's ``FluxTransformer2DModel``) and their T5 encoder.
+
+Same rules as the UNet's (:mod:`sd_accel.runtime.modules`): every call first checks the weights
+are those the engines were built from; a call with arguments the engine does not carry (a
+ControlNet's block samples, skip-layer guidance, attention kwargs other than a LoRA scale of 1)
+or a shape no engine covers runs torch, counted with its reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sd_accel.runtime.modules import EngineModule, _out
+
+# the keyword arguments each family's engine does not take (present and not None: torch runs the call)
+_NOT_IN_ENGINE = ("block_controlnet_hidden_states", "skip_layers", "controlnet_block_samples",
+                  "controlnet_single_block_samples", "attention_mask", "encoder_attention_mask")
+
+
+class EngineTransformer(EngineModule):
+    """Stands in for ``SD3Transformer2DModel`` or ``FluxTransformer2DModel``."""
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                pooled_projections: torch.Tensor | None = None, timestep: torch.Tensor | None = None,
+                *args, **kwargs):
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        engines = self.engines["transformer"]
+        reason = self.stale() or self._unsupported(args, kwargs)
+        out = None
+        if reason is not None:
+            engines.torch_call(reason)
+        else:
+            try:
+                feed = self._feed(hidden_states, encoder_hidden_states, pooled_projections, timestep, kwargs)
+            except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
+                engines.torch_call(f"inputs the engine cannot take ({type(exc).__name__}: {exc})")
+            else:
+                out = engines.run(feed, need=("latent",))
+        if out is None:
+            return self.torch_fallback()(hidden_states, encoder_hidden_states, pooled_projections, timestep,
+                                         *args, **kwargs)
+        sample = _out(out["latent"], hidden_states, hidden_states.dtype)
+        return Transformer2DModelOutput(sample=sample) if kwargs.get("return_dict", True) else (sample,)
+
+    @property
+    def flux(self) -> bool:
+        return type(self.torch_module).__name__.startswith("Flux")
+
+    def _unsupported(self, args: tuple, kwargs: dict[str, Any]) -> str | None:
+        if args:
+            return "positional arguments beyond (hidden_states, encoder_hidden_states, pooled_projections, timestep)"
+        used = [k for k in _NOT_IN_ENGINE if kwargs.get(k) is not None]
+        if used:
+            return f"arguments the engine was not built for: {', '.join(used)}"
+        jak = kwargs.get("joint_attention_kwargs") or {}
+        if jak and not (set(jak) == {"scale"} and float(jak["scale"]) == 1.0):
+            return f"joint_attention_kwargs {sorted(jak)} are not in the engine"
+        if self.flux and self.torch_module.config.get("guidance_embeds") and kwargs.get("guidance") is None:
+            return "no guidance for a FLUX.1 dev transformer (its engine takes one on every call)"
+        return None
+
+    def _feed(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
+              kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        batch = hidden_states.shape[0]
+
+        def per_row(value) -> torch.Tensor:
+            t = torch.as_tensor(value, device=hidden_states.device).float().reshape(-1)
+            return (t.expand(batch) if t.numel() == 1 else t).contiguous()
+
+        feed = {"hidden_states": hidden_states.float(), "encoder_hidden_states": encoder_hidden_states.float(),
+                "pooled_projections": pooled_projections.float(), "timestep": per_row(timestep)}
+        if self.flux:
+            img_ids, txt_ids = kwargs["img_ids"], kwargs["txt_ids"]
+            # (a batch axis on the ids is deprecated in diffusers and ignored there: the first row)
+            feed["img_ids"] = (img_ids[0] if img_ids.ndim == 3 else img_ids).float()
+            feed["txt_ids"] = (txt_ids[0] if txt_ids.ndim == 3 else txt_ids).float()
+            if self.torch_module.config.get("guidance_embeds"):
+                feed["guidance"] = per_row(kwargs["guidance"])
+        return feed
+
+
+class EngineT5(EngineModule):
+    """Stands in for ``T5EncoderModel`` (SD3's ``text_encoder_3``, FLUX.1's ``text_encoder_2``)."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *args,
+                output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        engines = self.engines["t5"]
+        reason = self.stale()
+        if reason is None and (attention_mask is not None or args or output_hidden_states or output_attentions
+                               or any(v is not None for v in kwargs.values())):
+            reason = "attention_mask / hidden states / attentions / other arguments are not in the engine"
+        out = None
+        if reason is not None:
+            engines.torch_call(reason)
+        else:
+            out = engines.run({"input_ids": input_ids.to(torch.int32)}, need=("last_hidden_state",))
+        if out is None:
+            return self.torch_fallback()(input_ids, attention_mask, *args, output_hidden_states=output_hidden_states,
+                                         output_attentions=output_attentions, return_dict=return_dict, **kwargs)
+        last = _out(out["last_hidden_state"], input_ids, self.torch_module.dtype)
+        result = BaseModelOutput(last_hidden_state=last)
+        return result if return_dict is not False else (last,)
