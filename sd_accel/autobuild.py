@@ -70,11 +70,20 @@ def profile_for_call(spec, feed: dict[str, torch.Tensor]) -> Profile | None:
     if dims is None:
         return None
     scale = vae_scale_factor(spec.pipe)
-    unet = getattr(spec.pipe, "unet", None)
-    default = int(getattr(getattr(unet, "config", None), "sample_size", 64) or 64) * scale
+    denoiser = getattr(spec.pipe, "unet", None) or getattr(spec.pipe, "transformer", None)
+    default = int(getattr(getattr(denoiser, "config", None), "sample_size", 64) or 64) * scale
     height = dims.get("H") or dims.get("H8", 0) * scale or default
     width = dims.get("W") or dims.get("W8", 0) * scale or default
     tokens = dims.get("T", TOKEN_CHUNK)
+    # the transformer families' T5 length: FLUX.1's and T5's L, or SD3's joint length S = 77 + L
+    text = dims.get("L") or (dims["S"] - TOKEN_CHUNK if dims.get("S", 0) > TOKEN_CHUNK else None)
+    if "N" in dims and "img_ids" in feed:  # FLUX.1's image tokens: the grid from their positions
+        ids = feed["img_ids"].reshape(-1, 3)
+        rows, cols = int(ids[:, 1].max().item()) + 1, int(ids[:, 2].max().item()) + 1
+        if rows * cols != dims["N"]:
+            return None
+        side = scale * 2
+        height, width = rows * side, cols * side
     if "B2" in dims:  # the UNet: a static profile of batch b serves 2b rows, or b without CFG
         rows = dims["B2"]
         batches = [((rows // 2,) * 3, True)] if rows % 2 == 0 else []
@@ -84,7 +93,8 @@ def profile_for_call(spec, feed: dict[str, torch.Tensor]) -> Profile | None:
         batches = [((dims.get("B", 1),) * 3, True)]
     for batch, cfg in batches:
         try:
-            profile = Profile(batch=batch, height=height, width=width, tokens=tokens, cfg=cfg)
+            profile = Profile(batch=batch, height=height, width=width, tokens=tokens, cfg=cfg,
+                              text=None if text is None else (text, text, text))
         except ValueError:
             return None
         if covers(spec.shape_ranges(profile), feed):

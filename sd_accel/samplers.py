@@ -350,6 +350,46 @@ def webui_name(scheduler: Any) -> str | None:
     return f"{sampler.name} {schedule}"
 
 
+# The flow-matching models (SD3 / SD3.5, FLUX.1) train a velocity, not a noise prediction: only the
+# samplers with a flow-matching form in diffusers apply, keeping the model's shift settings. Euler
+# alone: FlowMatchHeun takes no custom sigmas, which the FLUX.1 pipelines always pass.
+FLOW_SAMPLERS: dict[str, str] = {"Euler": "FlowMatchEulerDiscreteScheduler"}
+# The schedules FlowMatchEuler takes (its sigma options).
+_FLOW_SCHEDULES: dict[str, tuple[str, ...]] = {"Euler": (AUTOMATIC, "Simple", "Karras", "Exponential", "Beta")}
+
+
+def is_flow(base_config: Any) -> bool:
+    """Whether a scheduler (or its config) is a flow-matching one: the model predicts velocity."""
+    if type(base_config).__name__.startswith("FlowMatch"):
+        return True
+    config = getattr(base_config, "config", base_config)
+    return isinstance(config, Mapping) and str(config.get("_class_name", "")).startswith("FlowMatch")
+
+
+def flow_preset(name: str, schedule: str | None = None) -> SamplerPreset:
+    """The flow-matching preset for a WebUI name: ``Euler`` (schedules Automatic, Simple, Karras,
+    Exponential, Beta). Any other sampler is refused, naming these.
+
+    >>> flow_preset("Euler Karras").scheduler_class, flow_preset("Euler Karras").kwargs
+    ('FlowMatchEulerDiscreteScheduler', {'use_karras_sigmas': True})
+    >>> flow_preset("DPM++ 2M SDE")
+    Traceback (most recent call last):
+    ...
+    sd_accel.core.InvalidValue: 'DPM++ 2M SDE' has no flow-matching form in diffusers; SD3 / SD3.5 and FLUX.1 take: Euler (Automatic, Simple, Karras, Exponential, Beta)
+    """
+    preset = resolve(name, schedule)
+    choices = ", ".join(f"{k} ({', '.join(v)})" for k, v in _FLOW_SCHEDULES.items())
+    if preset.sampler not in FLOW_SAMPLERS:
+        raise InvalidValue(f"{name!r} has no flow-matching form in diffusers; SD3 / SD3.5 and FLUX.1 take: {choices}")
+    if preset.schedule not in _FLOW_SCHEDULES[preset.sampler]:
+        raise InvalidValue(f"{preset.name!r}: the flow-matching {preset.sampler} cannot use the {preset.schedule} "
+                           f"schedule; SD3 / SD3.5 and FLUX.1 take: {choices}")
+    sigma = {k: v for k, v in _SCHEDULE_KWARGS[preset.schedule].items() if k.endswith("_sigmas")}
+    return SamplerPreset(name=preset.name, sampler=preset.sampler, schedule=preset.schedule,
+                         scheduler_class=FLOW_SAMPLERS[preset.sampler], options=tuple(sigma.items()),
+                         second_order=preset.second_order, stochastic=False, requires=preset.requires)
+
+
 def make_scheduler(name: str, base_config: Any, schedule: str | None = None):
     """A new diffusers scheduler for ``name``, keeping the model's settings from ``base_config``.
 
@@ -361,7 +401,8 @@ def make_scheduler(name: str, base_config: Any, schedule: str | None = None):
     >>> type(sched).__name__, sched.config.use_karras_sigmas  # doctest: +SKIP
     ('DPMSolverMultistepScheduler', True)
     """
-    return _build_scheduler(resolve(name, schedule), base_config)
+    preset = flow_preset(name, schedule) if is_flow(base_config) else resolve(name, schedule)
+    return _build_scheduler(preset, base_config)
 
 
 def apply_sampler(pipe: Any, name: str, schedule: str | None = None) -> SamplerPreset:
@@ -370,7 +411,7 @@ def apply_sampler(pipe: Any, name: str, schedule: str | None = None) -> SamplerP
     >>> apply_sampler(pipe, "DPM++ 2M", "Karras").scheduler_class  # doctest: +SKIP
     'DPMSolverMultistepScheduler'
     """
-    preset = resolve(name, schedule)
+    preset = flow_preset(name, schedule) if is_flow(pipe.scheduler) else resolve(name, schedule)
     pipe.scheduler = _build_scheduler(preset, pipe.scheduler)
     return preset
 
