@@ -10,7 +10,8 @@ A page asks for a table between two marker comments; everything between them is 
     <!-- figures:end -->
 
 ``speed/headline`` is table ``headline`` of ``docs/figures/speed.json``; ``speed/headline:readme``
-keeps only the rows tagged ``readme``. A table is ``{"columns": [...], "rows": [...]}``: each
+keeps only the rows tagged ``readme``; ``include:docs/snippets/NAME.md`` is that file as it is (text
+that README.md and a docs page share, such as the table of what runs where). A table is ``{"columns": [...], "rows": [...]}``: each
 column has a ``key`` (the row's field), a ``head`` and optionally a ``fmt`` (``str.format``) and a
 ``ratio`` (``[numerator key, denominator key]``: the cell, when the row has no value of its own, is
 their quotient, so a speed-up is never typed apart from its two times).
@@ -105,7 +106,12 @@ def rewrite(text: str, figures: Path = FIGURES) -> str:
         end = text.find(END, m.end())
         if end < 0:
             raise SystemExit(f"figures: marker {m.group('name')!r} has no {END}")
-        out += [text[pos:m.end()], render(load_table(m.group("name"), figures)), "\n"]
+        name = m.group("name")
+        if name.startswith("include:"):
+            body = (figures.parent.parent / name.removeprefix("include:")).read_text().rstrip("\n")
+        else:
+            body = render(load_table(name, figures))
+        out += [text[pos:m.end()], body, "\n"]
         pos = end
     return "".join(out) + text[pos:]
 
