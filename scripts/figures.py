@@ -10,11 +10,13 @@ A page asks for a table between two marker comments; everything between them is 
     <!-- figures:end -->
 
 ``speed/headline`` is table ``headline`` of ``docs/figures/speed.json``; ``speed/headline:readme``
-keeps only the rows tagged ``readme``; ``include:docs/snippets/NAME.md`` is that file as it is (text
-that README.md and a docs page share, such as the table of what runs where). A table is ``{"columns": [...], "rows": [...]}``: each
-column has a ``key`` (the row's field), a ``head`` and optionally a ``fmt`` (``str.format``) and a
-``ratio`` (``[numerator key, denominator key]``: the cell, when the row has no value of its own, is
-their quotient, so a speed-up is never typed apart from its two times).
+keeps only the rows tagged ``readme``; ``include:docs/snippets/NAME.md`` is that file as it is
+(text that README.md and a docs page share, such as the table of what runs where).
+
+A table is ``{"columns": [...], "rows": [...]}``: each column has a ``key`` (the row's field), a
+``head`` and optionally a ``fmt`` (``str.format``) and a ``ratio`` (``[numerator key, denominator
+key]``: the cell, when the row has no value of its own, is their quotient, so a speed-up is not
+typed apart from its two times).
 
     python scripts/figures.py            # rewrite every marked table in README.md and docs/**/*.md
     python scripts/figures.py --check    # exit 1 and name the pages whose tables are not what the JSON says
