@@ -24,18 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from support.scripts import load
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "sd_accel"
 PAGE = ROOT / "docs" / "troubleshooting.md"
 BASE_ERROR = "SdAccelError"  # sd_accel/core.py: every error sd-accel raises derives from it
 PREFIX_WORDS = 4
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_docs_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------- the site
@@ -209,7 +204,7 @@ def test_the_walk_finds_the_errors():
 
 
 def test_figures_tables_are_what_the_json_renders():
-    figures = load_script("figures")
+    figures = load("figures")
     stale = figures.stale(ROOT)
     assert not stale, (f"{', '.join(str(p.relative_to(ROOT)) for p in stale)}: the figures tables differ from "
                        "docs/figures/*.json; change the JSON, then run python scripts/figures.py")
@@ -219,5 +214,28 @@ def test_figures_tables_are_what_the_json_renders():
 
 def test_doc_scripts_doctests():
     for name in ("figures", "griffe_doctests"):
-        result = doctest.testmod(load_script(name))
+        result = doctest.testmod(load(name))
         assert result.failed == 0 and result.attempted > 0, name
+
+
+def test_bench_appends_its_rows_to_a_figures_file(tmp_path):
+    """``python scripts/bench.py --figures FILE`` appends each row with its machine, model, size,
+    steps and command; scripts/figures.py renders them (the reference row's infinite PSNR empty)."""
+    bench, figures = load("bench"), load("figures")
+    report = {"config": {"model": "/cache/bench/sd15-random-seed0", "width": 256, "height": 256, "steps": 20},
+              "machine": {"cpu": "AMD EPYC", "cores": 2, "device": {"arch": "cpu-x86_64-avx512-vnni-bf16"}},
+              "rows": [{"variant": "diffusers", "s_per_image": 63.42, "e2e_speedup": 1.0, "psnr_db": float("inf"),
+                        "peak_ram_gb": 4.7, "skipped": None},
+                       {"variant": "openvino-int8", "s_per_image": 13.4, "e2e_speedup": 4.73, "psnr_db": 40.8,
+                        "peak_ram_gb": 2.6, "skipped": None},
+                       {"variant": "tensorrt-fp16", "skipped": "needs an NVIDIA GPU"}]}
+    path = tmp_path / "figures" / "runs.json"
+    assert bench.append_figures(path, report, "python scripts/bench.py --size 256", date="2026-12-06") == 2
+    assert bench.append_figures(path, report, "python scripts/bench.py --size 256", date="2026-12-07") == 2
+    page = tmp_path / "page.md"
+    page.write_text("<!-- figures:begin runs/runs -->\n<!-- figures:end -->\n")
+    table = figures.rewrite(page.read_text(), figures=path.parent).splitlines()
+    assert table[1].startswith("| date | machine | model, size, steps | row | s/image |")
+    assert table[3] == ("| 2026-12-06 | AMD EPYC, 2 cores (cpu-x86_64-avx512-vnni-bf16) | sd15-random-seed0, 256x256, 20 steps "
+                        "| diffusers | 63.42 | 1.00x | - | 4.7 | `python scripts/bench.py --size 256` |")
+    assert "| openvino-int8 | 13.40 | 4.73x | 40.8 | 2.6 |" in table[4] and len(table) == 1 + 2 + 4 + 1  # markers, head, rows
