@@ -852,6 +852,46 @@ def write_outputs(report: dict[str, Any], json_path: Path, md_path: Path | None,
 
 LEVERS_MARK = "\n<!-- notes below are kept when the table above is regenerated -->\n"
 
+# The columns of the table docs/figures/runs.json holds (scripts/figures.py renders it on the docs'
+# Benchmarks page): one row per bench row of each run appended with --figures.
+FIGURES_COLUMNS = [
+    {"key": "date", "head": "date"}, {"key": "machine", "head": "machine"},
+    {"key": "model", "head": "model, size, steps"}, {"key": "row", "head": "row"},
+    {"key": "s_per_image", "head": "s/image", "fmt": "{:.2f}"}, {"key": "e2e_speedup", "head": "e2e x", "fmt": "{:.2f}x"},
+    {"key": "psnr_db", "head": "PSNR dB", "fmt": "{:.1f}"}, {"key": "peak_ram_gb", "head": "RAM GB", "fmt": "{:.1f}"},
+    {"key": "command", "head": "command", "fmt": "`{}`"},
+]
+
+
+def figures_rows(report: dict[str, Any], command: str, date: str | None = None) -> list[dict[str, Any]]:
+    """The report's rows as rows of docs/figures/runs.json: each with its machine, model, size,
+    steps and command (skipped rows left out; an infinite PSNR, the reference's, left empty)."""
+    cfg, m = report["config"], report["machine"]
+    date = date or time.strftime("%Y-%m-%d", time.gmtime())
+    machine_name = f"{m['cpu']}, {m['cores']} cores ({m['device']['arch']})"
+    model = f"{Path(str(cfg['model'])).name}, {cfg['width']}x{cfg['height']}, {cfg['steps']} steps"
+
+    def finite(value: Any) -> Any:
+        return value if isinstance(value, int | float) and math.isfinite(value) else None
+
+    return [{"date": date, "machine": machine_name, "model": model, "row": r["variant"],
+             "s_per_image": finite(r.get("s_per_image")), "e2e_speedup": finite(r.get("e2e_speedup")),
+             "psnr_db": finite(r.get("psnr_db")), "peak_ram_gb": finite(r.get("peak_ram_gb")), "command": command}
+            for r in report["rows"] if not r.get("skipped")]
+
+
+def append_figures(path: Path, report: dict[str, Any], command: str, date: str | None = None) -> int:
+    """Append the run's rows to table ``runs`` of the figures file ``path`` (made if missing);
+    ``python scripts/figures.py`` then renders them into the pages. Returns the rows added."""
+    data = json.loads(path.read_text()) if path.exists() else {
+        "about": "Runs appended by python scripts/bench.py --figures; rendered by scripts/figures.py.", "tables": {}}
+    table = data["tables"].setdefault("runs", {"columns": FIGURES_COLUMNS, "rows": []})
+    rows = figures_rows(report, command, date)
+    table["rows"].extend(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return len(rows)
+
 
 def _json_default(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -997,6 +1037,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-dir", default=None, help="where the rows' engines are built (default: <cache>/bench/engines)")
     p.add_argument("--out", default=None, help="folder for the JSON report and traces (default: <cache>/bench/results)")
     p.add_argument("--markdown", default=None, help="also write the Markdown report here")
+    p.add_argument("--figures", default=None, help="append the rows to this figures file (docs/figures/runs.json), "
+                   "which python scripts/figures.py renders into the docs")
     p.add_argument("--profile", action="store_true", help="write a PyTorch profiler chrome trace per row")
     p.add_argument("--inprocess", action="store_true", help="run every row in this process (default with --tiny; "
                    "never the optimum-intel rows)")
@@ -1073,6 +1115,9 @@ def run_from_args(args: argparse.Namespace, command: str | None = None) -> int:
     report = run_bench(cfg, variants, inprocess=inprocess, log=lambda m: print(m, file=sys.stderr, flush=True))
     json_path = Path(cfg.out_dir) / "bench.json"
     write_outputs(report, json_path, Path(args.markdown) if args.markdown else None, command)
+    if args.figures:
+        added = append_figures(Path(args.figures), report, command)
+        print(f"figures: {added} rows appended to {args.figures}; python scripts/figures.py renders them", file=sys.stderr)
     print(text_table(report))
     print(f"\nJSON: {json_path}" + (f"\nMarkdown: {args.markdown}" if args.markdown else ""))
     return 0

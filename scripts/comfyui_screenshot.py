@@ -5,7 +5,7 @@ With ComfyUI running (the pack installed) and Playwright + a chromium present:
 
     python scripts/comfyui_screenshot.py --url http://127.0.0.1:8188 --ckpt sd15-random.safetensors \
         --lora random-lora.safetensors --controlnet cn-random-sd15.safetensors --hint hint.png \
-        --out extension/comfyui/workflow.png
+        --out docs/assets/comfyui-workflow.png
 
 The graph is the engine run of ``scripts/comfyui_workflows.py`` (sd-accel Apply Engines, CLIP Text
 Encode and VAE Decode, with ComfyUI's LoRA loader and ControlNet apply node), loaded through the

@@ -25,7 +25,7 @@ import time
 # time and progress are reported apart from the generation's.
 AUTO_ENGINES = False
 
-BUILTIN_SIZE = "256x256"  # the built-in tiny model: see README ("Quick start") for the figures
+BUILTIN_SIZE = "256x256"  # the built-in tiny model: see docs/install.md ("The main job") for the figures
 COMPONENTS = "clip,unet,vae_decoder"  # what txt2img runs (the VAE encoder only serves img2img)
 # --few-step: the recipe's `sd-accel generate` options, each unless the command line gives it
 FEW_STEP = {"--model": "builtin:tiny-sd15-lcm", "--sampler": "LCM", "--steps": "4", "--cfg": "1",

@@ -93,7 +93,7 @@ def describe_machine() -> dict[str, Any]:
     """The device and its arch key, library versions, every backend of the table with what it
     builds here (or why it cannot run), and xFormers: what ``sd-accel doctor`` prints.
 
-    >>> describe_machine()["backends"]["onnxruntime"]["usable"]  # doctest: +SKIP
+    >>> describe_machine()["backends"]["onnxruntime"]["usable"]
     True
     """
     from dataclasses import asdict
@@ -217,10 +217,10 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
 
     Works on any device and without engines. Keyword overrides build the config for you.
 
-    >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), precision="bf16", sampler="Euler a")  # doctest: +SKIP
-    >>> pipe.sd_accel.attention                                                                    # doctest: +SKIP
+    >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), precision="bf16", sampler="Euler a")
+    >>> pipe.sd_accel.attention
     'sdpa'
-    >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), engines="auto")  # engines built on first use  # doctest: +SKIP
+    >>> pipe = accelerate(load_pipeline("builtin:tiny-sd15"), engines="auto")  # engines built on first use
     """
     if config is None:
         config = AccelConfig(**overrides)

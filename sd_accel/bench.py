@@ -12,6 +12,9 @@ The research harness (optimum-intel and INT8 rows, peak RAM, rows in subprocesse
 Markdown report in scripts/BENCHMARKS.md) is ``python scripts/bench.py`` in a checkout: it needs
 the repository (an optimum-intel venv beside it), so it is not part of the package.
 
+(Skipped in the test suite: it builds engines on every usable backend, about a minute;
+tests/test_bench_check.py runs it.)
+
 >>> rows = check("builtin:tiny-sd15", size=64, steps=2)          # doctest: +SKIP
 >>> [(r["row"], r["skipped"] or round(r["speedup"], 1)) for r in rows]  # doctest: +SKIP
 [('torch', 1.0), ('tensorrt', 'TensorRT needs an NVIDIA GPU ...'), ('openvino', 2.1), ('onnxruntime', 1.3)]

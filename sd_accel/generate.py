@@ -116,8 +116,11 @@ def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None
     """Run ``pipe`` once for ``params`` and time it. The UNet calls are counted, so second-order
     samplers show.
 
-    >>> result = generate(pipe, GenerationParams(prompt="a cat", steps=4, width=512, height=512))  # doctest: +SKIP
-    >>> result.it_per_s, result.unet_calls, result.seed                                           # doctest: +SKIP
+    >>> from sd_accel import load_pipeline
+    >>> pipe = load_pipeline("builtin:tiny-sd15")
+    >>> result = generate(pipe, GenerationParams(prompt="a cat", steps=4, width=64, height=64, seed=1))
+    >>> result.steps, result.unet_calls, result.seed     # and result.it_per_s, result.seconds, result.images
+    (4, 5, 1)
     """
     import torch
 

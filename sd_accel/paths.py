@@ -27,8 +27,14 @@ def default_engine_dir() -> Path:
     ``./engines`` is relative to the current working directory at the time of the call; unlike
     :func:`cache_dir`, the folder is not created here (the cache creates it on its first write).
 
-    >>> default_engine_dir()  # with SD_ACCEL_ENGINE_DIR=/data/engines      # doctest: +SKIP
+    >>> saved = os.environ.get("SD_ACCEL_ENGINE_DIR")
+    >>> os.environ["SD_ACCEL_ENGINE_DIR"] = "/data/engines"
+    >>> default_engine_dir()
     PosixPath('/data/engines')
+    >>> del os.environ["SD_ACCEL_ENGINE_DIR"]
+    >>> default_engine_dir() == Path.cwd() / "engines"
+    True
+    >>> if saved is not None: os.environ["SD_ACCEL_ENGINE_DIR"] = saved
     """
     env = os.environ.get("SD_ACCEL_ENGINE_DIR")
     return Path(env).expanduser() if env else Path.cwd() / "engines"

@@ -12,8 +12,13 @@ Two decoders, both far cheaper than the model's VAE:
 function. It only reads the latents and the scheduler: it never touches the generator or the
 latents, so the final image is the same with or without previews.
 
->>> cb = preview_callback(shown.append, steps=20)                         # doctest: +SKIP
->>> pipe("a cat", num_inference_steps=20, callback_on_step_end=cb)       # doctest: +SKIP
+>>> from sd_accel import load_pipeline
+>>> pipe = load_pipeline("builtin:tiny-sd15")
+>>> shown = []
+>>> cb = preview_callback(shown.append, steps=4)
+>>> image = pipe("a cat", height=64, width=64, num_inference_steps=4, callback_on_step_end=cb).images[0]
+>>> [(p.step, p.decoder) for p in shown]
+[(1, 'latent2rgb'), (2, 'latent2rgb'), (3, 'latent2rgb'), (4, 'latent2rgb')]
 """
 
 from __future__ import annotations

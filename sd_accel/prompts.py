@@ -3,8 +3,12 @@ start/end tokens and padded to 77, encoded separately and concatenated (77, 154,
 
 diffusers truncates at 77 tokens; pass these embeddings instead of the prompt text:
 
->>> embeds = encode_long_prompt(pipe, "a very long prompt ...", "blurry")  # doctest: +SKIP
->>> image = pipe(**embeds, num_inference_steps=20).images[0]             # doctest: +SKIP
+>>> from sd_accel import load_pipeline
+>>> pipe = load_pipeline("builtin:tiny-sd15")
+>>> embeds = encode_long_prompt(pipe, "a very long prompt, " * 20, "blurry")
+>>> embeds["prompt_embeds"].shape[1]                                      # 154 columns: two chunks
+154
+>>> image = pipe(**embeds, height=64, width=64, num_inference_steps=2).images[0]
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ def takes_argument(pipe, name: str) -> bool:
     has one (for deprecated callbacks) and drops whatever else lands in it, so a negative prompt
     passed there would be ignored without a word.
 
-    >>> takes_argument(pipe, "negative_prompt")  # doctest: +SKIP
+    >>> from sd_accel import load_pipeline
+    >>> takes_argument(load_pipeline("builtin:tiny-sd15"), "negative_prompt")
+    True
+    >>> takes_argument(load_pipeline("builtin:tiny-sd15-lcm"), "negative_prompt")
     False
     """
     import inspect

@@ -1,4 +1,4 @@
-"""The layering of README's Layout section, checked on the source: no module imports a layer above its
+"""The layering of the Layout (docs/reference/layout.md), checked on the source: no module imports a layer above its
 own (lazy imports inside functions included), and no chain of imports comes back to where it
 started."""
 
@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sd_accel"
-# Bottom to top, as README's Layout lists them. A layer is the first name under sd_accel.
+# Bottom to top, as the Layout (docs/reference/layout.md) lists them. A layer is the first name under sd_accel.
 ORDER = ["core", "paths", "units", "pages", "profiles", "device", "models", "optimize", "samplers", "components", "onnx",
          "backends", "cache", "runtime", "calibration", "validate", "build", "autobuild", "refit", "prompts", "config",
          "api", "generate", "preview",
@@ -49,7 +49,7 @@ def _layer(module: str) -> str:
 
 def test_every_module_belongs_to_a_known_layer():
     unknown = sorted({_layer(m) for m in _graph() if "." in m} - set(ORDER))
-    assert not unknown, f"add these to ORDER (and README's Layout): {unknown}"
+    assert not unknown, f"add these to ORDER (and docs/reference/layout.md): {unknown}"
 
 
 def test_no_layer_imports_upwards():
@@ -142,8 +142,9 @@ def test_faces_use_only_what_api_py_says_they_may():
 
 
 def _readme_layout() -> str:
-    text = (PACKAGE.parent / "README.md").read_text()
-    return text.split("## Layout", 1)[1].split("```", 2)[1]
+    """The layout's code block, on docs/reference/layout.md (it was README's "Layout")."""
+    text = (PACKAGE.parent / "docs" / "reference" / "layout.md").read_text()
+    return text.split("# Layout of the code", 1)[1].split("```", 2)[1]
 
 
 def test_readmes_layout_names_every_layer_and_only_what_exists():
@@ -151,8 +152,8 @@ def test_readmes_layout_names_every_layer_and_only_what_exists():
     on_disk = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | {
         p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     named = listed | set(re.findall(r"\b([a-z_]+)\.py\b", _readme_layout()))  # "(cli_engines.py: ...)"
-    assert not on_disk - named, f"add to README's Layout: {sorted(on_disk - named)}"
-    assert not listed - on_disk, f"README's Layout names what is gone: {sorted(listed - on_disk)}"
+    assert not on_disk - named, f"add to docs/reference/layout.md: {sorted(on_disk - named)}"
+    assert not listed - on_disk, f"docs/reference/layout.md names what is gone: {sorted(listed - on_disk)}"
     for path in re.findall(r"^((?:tests|scripts|extension)/[A-Za-z_/]*)", _readme_layout(), re.M):
         assert (PACKAGE.parent / path).exists(), path
 

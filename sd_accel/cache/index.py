@@ -65,7 +65,8 @@ class EngineIndex(CacheFolder):
     ) -> builtins.list[EngineRecord]:
         """Records whose key matches every given field.
 
-        >>> cache.find(component="unet", backend="onnxruntime")      # doctest: +SKIP
+        ``cache.find(component="unet", backend="onnxruntime")``: the example of
+        :mod:`sd_accel.cache.store` runs it.
         """
         wanted = {"model": model, "component": component, "backend": backend, "arch": arch}
         return [r for r in self.list() if all(v is None or getattr(r.key, k) == v for k, v in wanted.items())]
@@ -91,7 +92,8 @@ class EngineIndex(CacheFolder):
         Checks arch, backend version and spec version, status, presence, size, then the
         checksum (streamed; seconds per GB).
 
-        >>> cache.verify(record, arch="sm89", backend_version="10.5.0")  # doctest: +SKIP
+        ``cache.verify(record, arch="sm89", backend_version="10.5.0")``: the example of
+        :mod:`sd_accel.cache.store` runs it.
         """
         folder = self.engine_dir(record.name)
         _check_key(record, arch, backend_version, folder)

@@ -20,8 +20,16 @@ each engine folder holds every file it runs from.
 This module only reads the disk and matches; :class:`sd_accel.cache.store.EngineCache` removes,
 under the locks.
 
->>> [(i.name, i.status) for i in scan(root, records)]                       # doctest: +SKIP
-[('onnx/unet.0123456789abcdef.s1', 'kept for 2 engines'), ('calibration/...npz', 'unused')]
+In a cache with engines, ``scan(cache.root, cache.list())`` says, e.g.,
+``[('onnx/unet.0123456789abcdef.s2', 'kept for 2 engines'), ('calibration/...npz', 'unused')]``.
+An export no engine was built from:
+
+>>> import tempfile
+>>> root = Path(tempfile.mkdtemp())
+>>> (root / "onnx" / "unet.0123456789abcdef.s2").mkdir(parents=True)
+>>> _ = (root / "onnx" / "unet.0123456789abcdef.s2" / "model.onnx").write_bytes(b"graph")
+>>> [(i.name, i.status) for i in scan(root, records=[])]
+[('onnx/unet.0123456789abcdef.s2', 'unused')]
 """
 
 from __future__ import annotations

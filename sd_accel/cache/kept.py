@@ -30,9 +30,8 @@ from .record import (
 class DiskUsage:
     """What the cache holds on disk: engines and the intermediates kept beside them.
 
-    >>> usage = cache.disk_usage()                                         # doctest: +SKIP
-    >>> usage.describe()                                                   # doctest: +SKIP
-    '3 engines, 1.9 GB + intermediates 3.3 GB (ONNX exports, calibration data) = 5.2 GB'
+    ``cache.disk_usage().describe()`` says, e.g., ``3 engines, 1.9 GB + intermediates 3.3 GB (ONNX
+    exports, calibration data) = 5.2 GB`` (the example of :mod:`sd_accel.cache.store` runs it).
     """
 
     engines: int

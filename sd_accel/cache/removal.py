@@ -35,8 +35,8 @@ class Removal(CacheFolder):
 
         Works on broken folders too. ValueError for a name that is not an engine's.
 
-        >>> cache.delete("unet.sm89.fp16.static.b2.h512.w512.t77.tensorrt-10.5.0.0123456789ab.s1")  # doctest: +SKIP
-        True
+        ``cache.delete("unet.sm89.fp16.static.b2.h512.w512.t77.tensorrt-10.5.0.0123456789ab.s1")`` -> True:
+        the example of :mod:`sd_accel.cache.store` runs it.
         """
         existed = self._delete_engine(name_or_key, timeout)
         if existed:
@@ -71,8 +71,12 @@ class Removal(CacheFolder):
         being built and whatever a running build may read; never touches broken folders or
         other modules' folders. Also removes temp folders left by dead builds.
 
+        >>> import tempfile
+        >>> from sd_accel.cache.store import EngineCache
         >>> from sd_accel.units import parse_age, parse_size
-        >>> cache.prune(max_bytes=parse_size("20GB"), older_than_s=parse_age("30d"))  # doctest: +SKIP
+        >>> cache = EngineCache(tempfile.mkdtemp())                   # e.g. EngineCache("engines")
+        >>> cache.prune(max_bytes=parse_size("20GB"), older_than_s=parse_age("30d"))   # the deleted records
+        []
         """
         if max_bytes is not None and max_bytes < 0:
             raise InvalidValue(f"max_bytes must be >= 0, not {max_bytes}")

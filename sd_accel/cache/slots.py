@@ -62,7 +62,8 @@ class BuildSlot:
         ``files`` are paths inside :attr:`dir` (absolute or relative); None takes every file
         there. A ``validation`` with ``ok`` False stores the engine with status "bad".
 
-        >>> slot.commit(["engine.plan"], shapes, 41.0, {"max_abs": 2e-3, "ok": True})  # doctest: +SKIP
+        ``slot.commit(["engine.plan"], shapes, 41.0, {"max_abs": 2e-3, "ok": True})``: the example
+        of :mod:`sd_accel.cache.store` runs a build slot to its commit.
         """
         if not self._open or self.record is not None:
             raise EngineError(f"The build slot of {self.key.name} is closed or already committed.")
@@ -137,9 +138,11 @@ class BuildSlots(CacheFolder):
         commit (exception, KeyboardInterrupt, return) removes the temp folder; the lock is
         always released. ENOSPC becomes an EngineError saying the disk is full.
 
-        >>> with cache.build_slot(key) as slot:                        # doctest: +SKIP
-        ...     if slot is not None:
-        ...         slot.commit(backend.build(onnx, shapes, "fp16", slot.dir, progress), shapes, 30.0)
+        As in the example of :mod:`sd_accel.cache.store`, which runs it::
+
+            with cache.build_slot(key) as slot:
+                if slot is not None:
+                    slot.commit(backend.build(onnx, shapes, "fp16", slot.dir, progress), shapes, 30.0)
         """
         name = key.name
         lock = self._acquire(name, timeout, "build")

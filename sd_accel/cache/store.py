@@ -19,13 +19,26 @@ Layout under the root::
 ``meta.json`` is what counts: the index is only a fast path, and it is rebuilt from the
 folders whenever it is missing, unreadable, of another schema or out of step with them.
 
->>> cache = EngineCache("/tmp/engines")                               # doctest: +SKIP
->>> with cache.build_slot(key) as slot:                               # doctest: +SKIP
+A build, as a backend makes one (here the engine file is written by hand):
+
+>>> import tempfile
+>>> from sd_accel.cache.key import EngineKey
+>>> cache = EngineCache(tempfile.mkdtemp())                           # e.g. EngineCache("engines")
+>>> key = EngineKey("0123456789abcdef", "unet", "onnxruntime", "1.32.0", "cpu-x86_64-avx512", "fp32",
+...                 "static.b1.h64.w64.t77")
+>>> shapes = {"sample": ((2, 4, 8, 8),) * 3}
+>>> with cache.build_slot(key) as slot:
 ...     if slot is not None:                  # None: another process built it while we waited
-...         files = backend.build(onnx, shapes, "fp16", slot.dir, progress)
-...         slot.commit(files, shapes, build_seconds=12.5, validation={"ok": True})
->>> record = cache.get(key)                                           # doctest: +SKIP
->>> cache.verify(record, arch="sm89", backend_version="10.5.0")       # doctest: +SKIP
+...         _ = (slot.dir / "model.onnx").write_bytes(b"engine")   # files = backend.build(..., slot.dir, ...)
+...         _ = slot.commit(["model.onnx"], shapes, build_seconds=12.5, validation={"ok": True})
+>>> record = cache.get(key)
+>>> cache.verify(record, arch="cpu-x86_64-avx512", backend_version="1.32.0")   # raises unless it can load here
+>>> [r.key.component for r in cache.find(component="unet", backend="onnxruntime")]
+['unet']
+>>> cache.disk_usage().describe()
+'1 engine, 6 B = 6 B'
+>>> cache.delete(record.name), cache.list()
+(True, [])
 """
 
 from __future__ import annotations
@@ -52,9 +65,12 @@ class EngineCache(KeptIntermediates, Removal, BuildSlots, EngineIndex, CacheFold
     Every method reads the disk afresh (no state is shared between instances or processes),
     so several processes may use one cache at once.
 
-    >>> cache = EngineCache(tmp_path)                                 # doctest: +SKIP
-    >>> [r.name for r in cache.find(component="unet", arch="sm89")]   # doctest: +SKIP
-    ['unet.sm89.fp16.static.b2.h512.w512.t77.tensorrt-10.5.0.0123456789ab.s1']
+    >>> import tempfile
+    >>> cache = EngineCache(tempfile.mkdtemp())                       # e.g. EngineCache("engines")
+    >>> [r.name for r in cache.find(component="unet", arch="sm89")]   # none yet; once built, e.g.
+    []
+
+    ``['unet.sm89.fp16.static.b2.h512.w512.t77.tensorrt-10.5.0.0123456789ab.s1']``.
 
     The facade over the cache's parts, one module each: the root and its locks
     (:mod:`~sd_accel.cache.folder`), the index (:mod:`~sd_accel.cache.index`), build slots and

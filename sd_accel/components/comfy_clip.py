@@ -67,6 +67,9 @@ class _ComfyClipExport(torch.nn.Module):
 class ComfyClipSpec(ComponentSpec):
     """One of ComfyUI's CLIP text encoders (``clip.cond_stage_model.clip_l.transformer`` ...).
 
+    (Skipped in the test suite: it needs ComfyUI's CLIP module; tests/test_comfyui_pack.py runs it
+    on a stand-in.)
+
     >>> spec = ComfyClipSpec(clip.cond_stage_model.clip_l.transformer)       # doctest: +SKIP
     >>> [t.name for t in spec.outputs()]                                     # doctest: +SKIP
     ['last', 'hidden']

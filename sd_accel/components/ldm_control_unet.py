@@ -72,6 +72,9 @@ class _LdmControlExport(torch.nn.Module):
 class LdmControlUNetSpec(LevelInputs, LdmUNetSpec):
     """The host's LDM UNet with ``control`` residuals as inputs (after the plain one's).
 
+    (Skipped in the test suite: it needs ComfyUI's or the WebUI's own UNet module;
+    tests/test_comfyui_pack.py runs it on a stand-in.)
+
     >>> spec = LdmControlUNetSpec(comfy_unet)                                # doctest: +SKIP
     >>> spec.control_names()[-2:]                                            # doctest: +SKIP
     ['control_11', 'control_mid']

@@ -126,6 +126,9 @@ class _LdmExport(torch.nn.Module):
 class LdmUNetSpec(ComponentSpec):
     """A WebUI's LDM-style UNet (``shared.sd_model.model.diffusion_model`` on A1111).
 
+    (Skipped in the test suite: it needs a WebUI's or ComfyUI's own UNet module;
+    tests/test_webui_extension.py runs it on a stand-in.)
+
     >>> spec = LdmUNetSpec(unet, LdmDims(context_dim=768))               # doctest: +SKIP
     >>> spec.shape_ranges(PRESETS["static-512"])["x"]                     # doctest: +SKIP
     ((2, 4, 64, 64), (2, 4, 64, 64), (2, 4, 64, 64))

@@ -180,7 +180,18 @@ def load_controlnet(source: str | os.PathLike, *, pipe=None, torch_dtype: torch.
     an SDXL ControlNet with an SD 1.5 checkpoint is a clear error). The net's ``sd_accel_source``
     says where it came from.
 
-    >>> net = load_controlnet("models/control_v11p_sd15_canny.safetensors", pipe=pipe)  # doctest: +SKIP
+    A file of your own: ``load_controlnet("models/control_v11p_sd15_canny.safetensors", pipe=pipe)``.
+    Here a random tiny ControlNet, saved as a diffusers folder:
+
+    >>> import tempfile
+    >>> from sd_accel import load_pipeline
+    >>> from sd_accel.models.tiny_controlnet import tiny_controlnet
+    >>> pipe = load_pipeline("builtin:tiny-sd15")
+    >>> folder = tempfile.mkdtemp()
+    >>> tiny_controlnet(pipe.unet).save_pretrained(folder)
+    >>> net = load_controlnet(folder, pipe=pipe)
+    >>> net.sd_accel_source == folder
+    True
     """
     from diffusers import ControlNetModel
 
@@ -260,7 +271,14 @@ def with_controlnets(pipe, sources, *, kind: str = "txt2img", allow_pickle: bool
     """``pipe`` as its ControlNet pipeline of ``kind``, with each ControlNet of ``sources`` (paths, or
     loaded ``ControlNetModel``) loaded offline and checked against its UNet.
 
-    >>> pipe = with_controlnets(load_pipeline("sd15.safetensors"), ["control_v11p_sd15_canny.safetensors"])  # doctest: +SKIP
+    With files of your own: ``with_controlnets(load_pipeline("sd15.safetensors"), ["control_v11p_sd15_canny.safetensors"])``.
+    Here with a random tiny ControlNet:
+
+    >>> from sd_accel import load_pipeline
+    >>> from sd_accel.models.tiny_controlnet import tiny_controlnet
+    >>> pipe = load_pipeline("builtin:tiny-sd15")
+    >>> type(with_controlnets(pipe, [tiny_controlnet(pipe.unet)])).__name__
+    'StableDiffusionControlNetPipeline'
     """
     nets = [s if isinstance(s, torch.nn.Module) else load_controlnet(s, pipe=pipe, allow_pickle=allow_pickle)
             for s in sources]
@@ -272,8 +290,8 @@ def call_arguments(hints: list, scales: list[float], starts: list[float] | None 
     """A ControlNet pipeline's call arguments for one hint per net: plain values for one net (what
     a single ``ControlNetModel`` takes), lists for several; start/end only when given.
 
-    >>> call_arguments([hint], [0.8])                                  # doctest: +SKIP
-    {'image': hint, 'controlnet_conditioning_scale': 0.8}
+    >>> call_arguments(["hint"], [0.8])                                # "hint": the control image
+    {'image': 'hint', 'controlnet_conditioning_scale': 0.8}
     """
     one = len(hints) == 1
 

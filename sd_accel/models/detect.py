@@ -58,6 +58,9 @@ def detect(shapes: Shapes, name: str = "checkpoint") -> Detected:
     """Detect the family of a checkpoint in the original (LDM/SGM) key layout, and whether its UNet
     is LCM-distilled (a guidance embedding, ``time_embedding.cond_proj``).
 
+    (Skipped in the test suite: it needs a real checkpoint file, which nothing here ships;
+    tests/test_loading.py and tests/test_lcm.py write tiny ones.)
+
     >>> detect(read_shapes(Path("LCM_Dreamshaper_v7.safetensors"))).guidance_embedded  # doctest: +SKIP
     True
     """
@@ -68,6 +71,9 @@ def detect(shapes: Shapes, name: str = "checkpoint") -> Detected:
 
 def _detect(shapes: Shapes, name: str) -> Detected:
     """Detect the family of a checkpoint in the original (LDM/SGM) key layout.
+
+    (Skipped in the test suite: it needs a real checkpoint file, which nothing here ships;
+    tests/test_loading.py writes tiny ones in the original layout.)
 
     >>> detect(read_shapes(Path("v1-5-pruned-emaonly.safetensors")))  # doctest: +SKIP
     Detected(family='sd15', inpaint=False, text_layout='clip-l')

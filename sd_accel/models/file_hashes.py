@@ -19,8 +19,13 @@ MEMO = "file-hashes.json"
 def file_hash(path: str | Path, cache_dir: Path | None = None) -> str:
     """sha256 of a file (hex), remembered in ``cache_dir`` by path, size and mtime.
 
-    >>> file_hash("sd15.safetensors", Path("engines"))[:10]         # doctest: +SKIP
-    '6ce0161689'
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / "model.safetensors").write_bytes(b"abc")      # a checkpoint, say
+    >>> file_hash(folder / "model.safetensors", folder)[:10]
+    'ba7816bf8f'
+    >>> (folder / MEMO).exists()                                    # hashed once, remembered here
+    True
     """
     path = Path(path)
     stat = path.stat()

@@ -4,7 +4,8 @@ OpenCV is not a dependency; this is Canny (Gaussian blur, Sobel gradients, non-m
 suppression along the gradient, double threshold, hysteresis) in numpy and scipy, with
 ``cv2.Canny``'s default thresholds as sd-webui-controlnet uses them (100, 200 on 0..255).
 
->>> canny(Image.open("photo.png")).size  # doctest: +SKIP
+>>> from PIL import Image
+>>> canny(Image.new("RGB", (512, 512), "white")).size   # or Image.open("photo.png")
 (512, 512)
 """
 

@@ -204,8 +204,8 @@ def load_pipeline(
     (returned as is). SD 2.x single files are taken as v-prediction (768) unless a WebUI-style
     ``.yaml`` beside the file or ``prediction_type="epsilon"`` says otherwise.
 
-    >>> pipe = load_pipeline("models/dreamshaper_8.safetensors")  # doctest: +SKIP
-    >>> pipe.sd_accel_model.family                                 # doctest: +SKIP
+    >>> pipe = load_pipeline("builtin:tiny-sd15")   # or "models/dreamshaper_8.safetensors"
+    >>> pipe.sd_accel_model.family
     'sd15'
     """
     if prediction_type is not None and prediction_type not in PREDICTION_TYPES:

@@ -123,6 +123,9 @@ def shared_ids(pipe: Any, cache: Any) -> dict[str, dict[str, str]]:
     still holds its checkpoint's weights and whose original-layout engines ``cache`` has at all
     (so a cache without any costs no hashing of the file).
 
+    (Skipped in the test suite: it needs a real checkpoint file, which nothing here ships;
+    tests/test_shared_engines.py writes tiny ones.)
+
     >>> shared_ids(load_pipeline("sd15.safetensors"), EngineCache("engines"))   # doctest: +SKIP
     {'unet': {'ldm_unet': 'ckpt-6ce0161689'}, 'clip': {'ldm_clip': 'ckpt-6ce0161689',
      'comfy_clip': 'ckpt-6ce0161689.clip_l'}, ...}

@@ -136,9 +136,9 @@ def load_tiny_vae(source: str | Path, allow_pickle: bool = False) -> torch.nn.Mo
     """An ``AutoencoderTiny`` from a diffusers folder, a TAESD single file (its encoder or decoder
     partner beside it is loaded too), or a folder holding one such decoder file.
 
-    >>> vae = load_tiny_vae("models/vae_approx/taesd_decoder.safetensors")  # doctest: +SKIP
-    >>> vae.config.scaling_factor  # doctest: +SKIP
-    1.0
+    >>> vae = load_tiny_vae("builtin:taesd")   # or "models/vae_approx/taesd_decoder.safetensors"
+    >>> type(vae).__name__, vae.config.scaling_factor
+    ('AutoencoderTiny', 1.0)
     """
     from diffusers import AutoencoderTiny
 

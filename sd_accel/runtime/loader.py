@@ -5,6 +5,9 @@ for diffusers pipelines, the WebUI adapter (``sd_accel.webui.controller``) for t
 and a server alike. An engine built for another backend, arch or backend version, or marked
 bad, is never loaded; each refusal says why and what to do.
 
+(Skipped in the test suite: it needs engines the WebUI or ComfyUI built from their own modules, for
+a checkpoint file; tests/test_runtime_loader.py builds stand-ins.)
+
 >>> engines = engines_for(cache, backend, "ckpt-0123abcd", "ldm_unet", fallback=False)  # doctest: +SKIP
 >>> out = engines.run(feed)          # a covering engine's outputs, or None: run torch  # doctest: +SKIP
 >>> engines.set_fallback(True)       # calls no engine covers now go to torch            # doctest: +SKIP

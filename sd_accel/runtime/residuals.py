@@ -43,6 +43,9 @@ def run_control_unet(engines: ComponentEngines, sample: torch.Tensor, timestep, 
     """The noise prediction of the residual-taking UNet engine (a copy, in ``sample``'s dtype and
     device), or None: no engine covers the call, which ``engines`` counted as a torch call.
 
+    (Skipped in the test suite: it needs a host's own UNet and ControlNet residuals, ComfyUI's or
+    the WebUI's; tests/test_comfyui_pack.py and tests/test_webui_controlnet.py run the hosts' ControlNet paths on stand-ins.)
+
     >>> eps = run_control_unet(engines, x, t, context, down=[...], mid=m)  # doctest: +SKIP
     >>> eps = eps if eps is not None else torch_unet(x, t, context, ...)  # doctest: +SKIP
     """

@@ -280,6 +280,9 @@ def set_fallback(pipe, allowed: bool) -> None:
 def stats(pipe) -> dict[str, dict[str, Any]]:
     """Per component: engine calls, torch calls, fallback reasons with counts, engines used.
 
+    (Skipped in the test suite: it needs engines built for ``pipe``; docs/concepts/fallbacks.md
+    builds one and runs ``stats`` on the tiny model.)
+
     >>> stats(pipe)["unet"]  # doctest: +SKIP
     {'engine_calls': 20, 'torch_calls': 0, 'fallbacks': {}, 'engines_used': {'unet....': 20}}
     """

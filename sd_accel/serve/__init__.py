@@ -1,5 +1,8 @@
 """``sd-accel serve``: txt2img over HTTP on Ray Serve, with dynamic batching onto the engines.
 
+(Skipped in the test suite: it starts a Ray cluster and an HTTP server; tests/test_serve_ray.py
+does.)
+
 >>> from sd_accel.serve import serve
 >>> server = serve(model="builtin:tiny-sd15", engine_dir="engines", build_missing=True,
 ...                blocking=False)                                         # doctest: +SKIP

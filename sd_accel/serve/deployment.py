@@ -356,6 +356,9 @@ def serve(config: ServeConfig | None = None, *, blocking: bool = True, **fields:
     then the application on ``http://host:port``. ``fields`` are ``ServeConfig`` fields (used
     when ``config`` is None). With ``blocking`` it serves until Ctrl-C, then shuts Serve down.
 
+    (Skipped in the test suite: it starts a Ray cluster and an HTTP server; tests/test_serve_ray.py
+    does.)
+
     >>> server = serve(model="builtin:tiny-sd15", port=8000, blocking=False)  # doctest: +SKIP
     >>> server.url                                                          # doctest: +SKIP
     'http://127.0.0.1:8000'

@@ -2,6 +2,9 @@
 
 Names are imported on first use, so ``import sd_accel.ui`` does not import Gradio or torch.
 
+(Skipped in the test suite: launch() serves the app until stopped; tests/test_ui.py and
+tests/test_ui_browser.py drive it.)
+
 >>> from sd_accel.ui import launch
 >>> launch(port=7860)                # doctest: +SKIP
 """

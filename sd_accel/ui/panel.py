@@ -96,6 +96,9 @@ def _has_status(state: PanelState) -> bool:
 def build_panel(state: PanelState | None = None) -> gr.Blocks:
     """The panel as a ``gr.Blocks``; ``state`` holds the settings and loaded pipelines.
 
+    (Skipped in the test suite: launch() serves until stopped; tests/test_ui_browser.py drives the
+    panel in a browser.)
+
     >>> demo = build_panel(PanelState(engine_dir="/tmp/engines"))    # doctest: +SKIP
     >>> demo.queue().launch()                                           # doctest: +SKIP
     """

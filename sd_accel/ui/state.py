@@ -4,6 +4,9 @@ Kept apart from :mod:`sd_accel.ui.panel` so that it is tested without a browser,
 the panel stays a thin layout. Everything here calls the api layer (``load_pipeline``,
 ``accelerate``, ``build_engines``, ``EngineCache``, ``stats``, ``generate``).
 
+(Skipped in the test suite: it builds engines into /tmp/engines; tests/test_ui.py runs the same
+steps in a temporary folder.)
+
 >>> state = PanelState(engine_dir="/tmp/engines")                                    # doctest: +SKIP
 >>> for update in state.build(BuildRequest(profile=profile_from_fields("1", "64", "64", "77"))):
 ...     print(update.text)                                                               # doctest: +SKIP

@@ -79,6 +79,9 @@ def quantize_openvino(model, calibration: CalibrationSet | None, progress: Progr
     ``calibration`` (feeds at the profile's opt shape), with the convolutions of ``scope`` kept in
     float (:func:`float_convolutions`).
 
+    (Skipped in the test suite: it needs an OpenVINO model and captured calibration feeds, and
+    NNCF takes minutes; tests/test_int8_engines.py runs it through ``build_engines``.)
+
     >>> int8_model = quantize_openvino(ov_model, calibration, lambda f, m: None)  # doctest: +SKIP
     """
     if calibration is None or not len(calibration):
