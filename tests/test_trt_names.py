@@ -296,6 +296,29 @@ def test_build_path_runs_on_each_versions_names(version, precision, unet_onnx, t
         assert (onnx_path.parent / "model.fp16.onnx").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [NEWEST_10, NEWEST_11])
+def test_flux_transformer_build_runs_on_each_versions_names(version, tmp_path, monkeypatch):
+    """FLUX.1's transformer (dynamic in image tokens and T5 length, rotary positions as inputs)
+    through the same build path: its profile's names are the engine's inputs."""
+    from sd_accel.backends.tensorrt.builder import ENGINE_FILE, TensorRTBackend
+    from sd_accel.components import specs_for
+    from sd_accel.models.builtin import build_tiny_pipeline
+    from sd_accel.onnx.export import onnx_artifact
+    from sd_accel.profiles import Profile
+
+    spec = specs_for(build_tiny_pipeline("flux-dev"))["transformer"]
+    onnx_path = onnx_artifact(spec, tmp_path / "cache")
+    shapes = spec.shape_ranges(Profile(batch=(1, 1, 2), height=(512, 1024, 1024), width=(512, 1024, 1024),
+                                       text=(256, 512, 512)))
+    assert shapes["img_ids"] == ((1024, 3), (4096, 3), (4096, 3)) and shapes["txt_ids"][2] == (512, 3)
+    pretend_gpu(monkeypatch, "sm90")
+    with dry_run(version):
+        files = TensorRTBackend(tmp_path / "cache").build(onnx_path, shapes, "fp16", tmp_path / "engine",
+                                                          lambda f, m: None)
+    assert ENGINE_FILE in files and (tmp_path / "engine" / ENGINE_FILE).exists()
+
+
 def test_the_10x_fp16_config_would_break_on_11x(unet_onnx, tmp_path, monkeypatch):
     """The reason for the branch: polygraphy's fp16=True needs BuilderFlag.FP16, which 11.x lacks.
     The stand-in says it is 10.x (so the backend takes the 10.x branch) but has 11.x's names."""
@@ -445,6 +468,10 @@ def tiny_specs():
             **parts, controlnet=tiny_controlnet(pipe.unet), **extra)
         out[family] = {**specs_for(pipe), **control_specs(control)}
         assert {"controlnet", "unet_control"} <= set(out[family])
+    # the transformer families: their transformer (image tokens, T5 length) and T5 get profiles too
+    for family in ("sd3", "flux-dev"):
+        out[family] = specs_for(build_tiny_pipeline(family))
+        assert {"transformer", "t5"} <= set(out[family])
     return out
 
 
