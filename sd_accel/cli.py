@@ -36,8 +36,19 @@ def _generation_params(args: argparse.Namespace):
     from sd_accel.generate import GenerationParams
 
     width, height = args.size if args.size else (None, None)
-    return GenerationParams(prompt=args.prompt, negative_prompt=args.negative, steps=args.steps, cfg=args.cfg,
-                            width=width, height=height, batch=args.batch, seed=args.seed, sampler=args.sampler)
+    given = {k: v for k, v in (("steps", args.steps), ("cfg", args.cfg)) if v is not None}
+    return GenerationParams(prompt=args.prompt, negative_prompt=args.negative, width=width, height=height,
+                            batch=args.batch, seed=args.seed, sampler=args.sampler, **given)
+
+
+def _family_defaults(request, args: argparse.Namespace, pipe):
+    """The request with the model family's steps and guidance where the command line gave none."""
+    import dataclasses
+
+    from sd_accel.api import generation_defaults
+
+    wanted = {k: v for k, v in generation_defaults(pipe).items() if getattr(args, k) is None}
+    return dataclasses.replace(request, **wanted) if wanted else request
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -52,6 +63,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          vae=f"tiny:{args.tiny_vae}" if args.tiny_vae else None)
     t0 = time.perf_counter()
     pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
+    request = _family_defaults(request, args, pipe)
     extra = {}
     if args.controlnet:
         pipe, extra = _with_controlnets(pipe, args)
@@ -158,8 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", default="a photo of a cat")
     gen.add_argument("--negative", default=None)
     gen.add_argument("--sampler", default=None, help='a WebUI sampler name, e.g. "DPM++ 2M Karras"')
-    gen.add_argument("--steps", type=int, default=20)
-    gen.add_argument("--cfg", type=float, default=7.0)
+    gen.add_argument("--steps", type=int, default=None,
+                     help="default: the model family's (20; SD3.5 and FLUX.1 dev 28, FLUX.1 schnell 4)")
+    gen.add_argument("--cfg", type=float, default=None,
+                     help="default: the model family's (7; SD3.5 4.5, FLUX.1 dev 3.5, FLUX.1 schnell 0)")
     gen.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT, multiples of 8 (default: the model's)")
     gen.add_argument("--batch", type=int, default=1)
     gen.add_argument("--seed", type=int, default=0, help="-1 draws a random seed (the report shows it)")

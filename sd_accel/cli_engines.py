@@ -42,9 +42,9 @@ def _components(text: str | None, available: list[str]) -> list[str] | None:
 def _profiles(args: argparse.Namespace):
     from sd_accel.profiles import Profile
 
-    ranges = {k: getattr(args, k) for k in ("batch", "height", "width", "tokens") if getattr(args, k)}
+    ranges = {k: getattr(args, k) for k in ("batch", "height", "width", "tokens", "text") if getattr(args, k, None)}
     if args.preset and ranges:
-        raise InvalidValue("give --preset or explicit ranges (--batch/--height/--width/--tokens), not both")
+        raise InvalidValue("give --preset or explicit ranges (--batch/--height/--width/--tokens/--text), not both")
     if not ranges:
         return args.preset, None
     if args.static:
@@ -284,6 +284,9 @@ def add_commands(sub, engine_args) -> None:
     b.add_argument("--preset", default=None, help="static-512, dynamic-512-768, ... (default: by model family)")
     for dim in ("batch", "height", "width", "tokens"):
         b.add_argument(f"--{dim}", type=_range_arg(dim), default=None, help="N, MIN-MAX (opt = MIN) or MIN-OPT-MAX")
+    b.add_argument("--text", type=_range_arg("text"), default=None,
+                   help="SD3 / FLUX.1: T5's sequence length (max_sequence_length), up to 512; default: the "
+                        "pipeline's (SD3 256, FLUX.1 512)")
     b.add_argument("--static", action="store_true", help="a static profile from single values")
     b.add_argument("--no-cfg", action="store_true",
                    help="UNet engines for CFG <= 1 (Turbo, LCM-LoRA): one row per image, not two")

@@ -113,8 +113,8 @@ class GenerationResult:
 
 
 def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None) -> GenerationResult:
-    """Run ``pipe`` once for ``params`` and time it. The UNet calls are counted, so second-order
-    samplers show.
+    """Run ``pipe`` once for ``params`` and time it. The UNet's (or transformer's) calls are
+    counted, so second-order samplers show.
 
     >>> from sd_accel import load_pipeline
     >>> pipe = load_pipeline("builtin:tiny-sd15")
@@ -133,7 +133,8 @@ def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None
         )
     seed = params.resolved_seed()
     calls = {"n": 0}
-    hook = pipe.unet.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    denoiser = getattr(pipe, "unet", None) or pipe.transformer  # (SD3 / FLUX.1: the transformer)
+    hook = denoiser.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     generator = torch.Generator("cpu").manual_seed(seed)
     kwargs: dict[str, Any] = dict(
         prompt=params.prompt,

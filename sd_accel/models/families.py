@@ -32,6 +32,10 @@ class Family:
     # what denoises: "unet" (SD 1.x/2.x/SDXL), or the transformer of "sd3" (SD3 / SD3.5: MMDiT)
     # or "flux" (FLUX.1), whose components live under sd_accel/components/<kind>/
     denoiser: str = "unet"
+    # what a face generates with when the user does not say: the model makers' recommended steps
+    # and guidance (SD3.5 Medium 28 / 4.5, FLUX.1 dev 28 / 3.5, schnell 4 steps without guidance)
+    steps: int = 20
+    cfg: float = 7.0
 
     @property
     def transformer(self) -> bool:
@@ -49,9 +53,9 @@ FAMILIES: dict[str, Family] = {
         Family("sd2-v", "Stable Diffusion 2.x (768, v-prediction)"),
         Family("sd2-base", "Stable Diffusion 2.x (512 base, epsilon)"),
         Family("sdxl", "Stable Diffusion XL base", is_xl=True),
-        Family("sd3", "Stable Diffusion 3.5 Medium", denoiser="sd3"),
-        Family("flux-dev", "FLUX.1 dev", denoiser="flux"),
-        Family("flux-schnell", "FLUX.1 schnell", denoiser="flux"),
+        Family("sd3", "Stable Diffusion 3.5 Medium", denoiser="sd3", steps=28, cfg=4.5),
+        Family("flux-dev", "FLUX.1 dev", denoiser="flux", steps=28, cfg=3.5),
+        Family("flux-schnell", "FLUX.1 schnell", denoiser="flux", steps=4, cfg=0.0),
     )
 }
 

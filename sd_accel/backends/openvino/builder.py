@@ -73,25 +73,42 @@ def _has_nncf() -> bool:
     return importlib.util.find_spec("nncf") is not None
 
 
-def _blob_runs(ov, out_dir: Path, precision: str, shapes: ShapeRanges) -> bool:
-    """Whether the weightless blob just exported runs a call at the smallest shapes once imported
-    (zeros in: only the shapes matter)."""
+def _zeros_feed(compiled, shapes: ShapeRanges) -> dict:
+    """Zeros at the smallest shapes for each input of ``compiled`` (only the shapes matter)."""
+    import numpy as np
+
+    feed = {}
+    for port in compiled.inputs:
+        name = next((n for n in port.get_names() if n in shapes), None)
+        if name is not None:
+            kind = port.get_element_type().get_type_name()
+            feed[name] = np.zeros(shapes[name][0], np.int64 if "i64" in kind else np.int32 if "i32" in kind else np.float32)
+    return feed
+
+
+def _outputs(compiled, feed: dict) -> list:
+    import numpy as np
+
+    results = compiled.create_infer_request().infer(feed)
+    return [np.array(results[i], copy=True) for i in range(len(compiled.outputs))]
+
+
+def _blob_runs(ov, out_dir: Path, precision: str, shapes: ShapeRanges, expected: list) -> bool:
+    """Whether the weightless blob just exported, once imported, gives the compiled model's
+    ``expected`` outputs for zeros at the smallest shapes."""
     import numpy as np
 
     config = {**compile_config(precision), "WEIGHTS_PATH": str(out_dir / WEIGHTS_FILE)}
     try:
         compiled = ov.Core().import_model((out_dir / ENGINE_FILE).read_bytes(), "CPU", config)
-        feed = {}
-        for port in compiled.inputs:
-            name = next((n for n in port.get_names() if n in shapes), None)
-            if name is not None:
-                dtype = np.int64 if "i64" in port.get_element_type().get_type_name() else \
-                    np.int32 if "i32" in port.get_element_type().get_type_name() else np.float32
-                feed[name] = np.zeros(shapes[name][0], dtype)
-        compiled.create_infer_request().infer(feed)
+        got = _outputs(compiled, _zeros_feed(compiled, shapes))
     except RuntimeError as exc:
         log.debug("the imported blob failed: %s", exc)
         return False
+    for g, e in zip(got, expected, strict=True):
+        if g.shape != e.shape or not np.allclose(g, e, rtol=1e-3, atol=1e-3 * (float(np.abs(e).max()) + 1e-6)):
+            log.debug("the imported blob gives %s where the compiled model gives %s", g.shape, e.shape)
+            return False
     return True
 
 
@@ -188,13 +205,15 @@ class OpenVinoBackend(Backend):
                                                      int8_scope)
             progress(0.85, "exporting the compiled model (without weights)")
             (out_dir / ENGINE_FILE).write_bytes(compiled.export_model().getbuffer())
+            expected = _outputs(compiled, _zeros_feed(compiled, shapes))
             del compiled
             form = "blob"
-            if not _blob_runs(ov, out_dir, precision, shapes):
+            if not _blob_runs(ov, out_dir, precision, shapes, expected):
                 # OpenVINO 2026.4's weightless blob (CACHE_MODE=OPTIMIZE_SIZE) of SD3's and FLUX.1's
                 # transformers imports, then fails its first call in shape inference (a Multiply of
-                # the AdaLN or rotary branch); the same graph compiled from its IR runs. Keep the
-                # IR (a few MB beside engine.bin) and compile it when loaded instead.
+                # the AdaLN or rotary branch), or at static shapes gives 15 image tokens for 16; the
+                # same graph compiled from its IR runs right. Keep the IR (a few MB beside
+                # engine.bin) and compile it when loaded instead.
                 log.info("%s: OpenVINO's compiled blob does not run this graph; the engine keeps its IR",
                          onnx_path.parent.name)
                 (out_dir / ENGINE_FILE).unlink()
