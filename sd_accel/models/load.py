@@ -111,8 +111,10 @@ def load_single_file(
     torch_dtype: torch.dtype | None = None,
     prediction_type: str | None = None,
     allow_pickle: bool = False,
+    parts: dict[str, str | Path] | None = None,
 ) -> diffusers.DiffusionPipeline:
-    """Load a WebUI-style single-file checkpoint with the shipped configs (no download)."""
+    """Load a WebUI-style single-file checkpoint with the shipped configs (no download); a FLUX.1
+    transformer file with its VAE, CLIP-L and T5 files (``parts``, or found beside it)."""
     original = path  # (a pickle is read from a converted copy; the engines of other faces know the file)
     suffix = path.suffix.lower()
     if suffix in PICKLE_SUFFIXES:
@@ -122,6 +124,19 @@ def load_single_file(
             f"{path.name}: unknown checkpoint type {suffix!r}; expected .safetensors (or .ckpt with allow_pickle=True)"
         )
     shapes = read_shapes(path)
+    from sd_accel.models.flux import flux_prefix, load_flux
+    from sd_accel.models.sd3 import load_sd3, sd3_prefix
+
+    if flux_prefix(shapes) is not None:
+        pipe, family, _ = load_flux(path, shapes, parts, torch_dtype)
+        pipe.sd_accel_model = ModelInfo(str(path), family, False, "flow")
+        return pipe
+    if sd3_prefix(shapes) is not None:
+        pipe = load_sd3(path, shapes, parts, torch_dtype)
+        pipe.sd_accel_model = ModelInfo(str(path), "sd3", False, "flow")
+        return pipe
+    if parts:
+        raise InvalidValue(f"parts= is for SD3 / SD3.5 and FLUX.1 files; {path.name} is neither")
     det = detect(shapes, name=path.name)
     prediction_type = prediction_type or _sidecar_prediction_type(path)
     family = _family_for(det, prediction_type)
@@ -196,11 +211,15 @@ def load_pipeline(
     torch_dtype: torch.dtype | None = None,
     prediction_type: str | None = None,
     allow_pickle: bool = False,
+    parts: dict[str, str | os.PathLike] | None = None,
 ) -> diffusers.DiffusionPipeline:
     """Load a Stable Diffusion pipeline from what users have, with nothing downloaded.
 
-    ``source`` is a diffusers folder, a single-file checkpoint (``.safetensors``; ``.ckpt`` only
-    with ``allow_pickle=True``), ``"builtin:tiny-sd15"`` / ``"builtin:tiny-sdxl"``, or a pipeline
+    ``source`` is a diffusers folder (SD 1.x/2.x/SDXL, SD3 / SD3.5, FLUX.1), a single-file
+    checkpoint (``.safetensors``; ``.ckpt`` only with ``allow_pickle=True``), a FLUX.1 transformer
+    file (its ``ae.safetensors``, ``clip_l`` and ``t5xxl`` files found beside it or in ComfyUI's
+    folders, or named in ``parts={"vae": ..., "clip_l": ..., "t5": ...}``), a built-in tiny model
+    (``"builtin:tiny-sd15"``, ``tiny-sdxl``, ``tiny-sd3``, ``tiny-flux`` ...), or a pipeline
     (returned as is). SD 2.x single files are taken as v-prediction (768) unless a WebUI-style
     ``.yaml`` beside the file or ``prediction_type="epsilon"`` says otherwise.
 
@@ -228,4 +247,5 @@ def load_pipeline(
             raise CheckpointError(f"{path} is a folder without model_index.json: not a diffusers pipeline folder")
         return load_diffusers_folder(path, torch_dtype=torch_dtype)
     log.info("loading %s", path)
-    return load_single_file(path, torch_dtype=torch_dtype, prediction_type=prediction_type, allow_pickle=allow_pickle)
+    return load_single_file(path, torch_dtype=torch_dtype, prediction_type=prediction_type, allow_pickle=allow_pickle,
+                            parts=parts)

@@ -80,7 +80,7 @@ TINY_OVERRIDES["sd3"] = {
 }
 _TINY_FLUX = {
     "transformer/config.json": {
-        "attention_head_dim": 16, "axes_dims_rope": [4, 6, 6], "num_attention_heads": 2, "num_layers": 1,
+        "attention_head_dim": 32, "axes_dims_rope": [4, 14, 14], "num_attention_heads": 2, "num_layers": 1,
         "num_single_layers": 2, "joint_attention_dim": 192, "pooled_projection_dim": 64,
     },
     "vae/config.json": _TINY_VAE,

@@ -1,0 +1,166 @@
+"""Text encoders and VAEs from the separate files people hold beside SD3 and FLUX.1 models:
+``clip_l.safetensors``, ``clip_g.safetensors``, ``t5xxl_fp16.safetensors`` /
+``t5xxl_fp8_e4m3fn.safetensors`` (transformers' own key names, as ComfyUI ships them) and FLUX.1's
+``ae.safetensors`` (the LDM VAE layout).
+
+Each model is built from its family's shipped config, fitted to the widths and depths the file's
+tensors have, then filled tensor by tensor from the memory-mapped file: an fp8 (e4m3) file is cast
+straight to the model's dtype, with no fp32 copy of the whole encoder.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sd_accel.core import CheckpointError
+from sd_accel.models.checkpoint import Shapes, read_shapes
+
+# where ComfyUI keeps a model's parts, relative to the model file's folder
+PLACES = (".", "../vae", "../clip", "../text_encoders")
+
+
+def find_files(path: Path, given: dict[str, str | Path] | None, table: dict[str, tuple[str, ...]],
+               what: str, optional: tuple[str, ...] = ()) -> dict[str, Path]:
+    """The files of the parts in ``table`` (part -> file name patterns, preferred first) for the
+    model file ``path``: ``given`` first, then beside it and in ComfyUI's ``vae`` / ``clip`` /
+    ``text_encoders`` folders next to its own. A part not found raises CheckpointError naming the
+    file wanted and the folders looked in, unless it is ``optional``."""
+    given = {k: Path(v).expanduser() for k, v in (given or {}).items()}
+    unknown = set(given) - set(table)
+    if unknown:
+        raise CheckpointError(f"unknown parts {sorted(unknown)}; {what} takes {', '.join(table)}")
+    found: dict[str, Path] = {}
+    folders = [(path.parent / p).resolve() for p in PLACES]
+    for part, patterns in table.items():
+        if part in given:
+            if not given[part].is_file():
+                raise CheckpointError(f"the {part} file {given[part]} does not exist")
+            found[part] = given[part]
+            continue
+        hit = next((f for folder in folders if folder.is_dir() for pattern in patterns
+                    for f in sorted(folder.glob(pattern)) if f.resolve() != path.resolve()), None)
+        if hit is not None:
+            found[part] = hit
+    missing = [p for p in table if p not in found and p not in optional]
+    if missing:
+        wanted = ", ".join(f"{p} ({table[p][0]})" for p in missing)
+        places = ", ".join(str(f) for f in folders)
+        names = ", ".join(f"'{p}': ..." for p in table)
+        raise CheckpointError(f"{path.name} is {what}; it needs its {wanted} beside it. Looked in {places}. "
+                              f"Put the files there or name them: load_pipeline(path, parts={{{names}}})")
+    return found
+
+
+def _count(shapes: Shapes, pattern: str) -> int:
+    found = {int(m.group(1)) for k in shapes if (m := re.match(pattern, k))}
+    return max(found) + 1 if found else 0
+
+
+def clip_config(base: dict[str, Any], shapes: Shapes, prefix: str = "") -> dict[str, Any]:
+    """A CLIP text config fitted to a file: width, depth, MLP width, vocabulary, projection."""
+    embed = shapes.get(f"{prefix}text_model.embeddings.token_embedding.weight")
+    if embed is None:
+        raise CheckpointError(f"no CLIP text model in it ({prefix}text_model.embeddings.token_embedding.weight "
+                              "missing): is it a CLIP-L / CLIP-G text encoder file?")
+    width = embed[1]
+    out = dict(base, vocab_size=embed[0], hidden_size=width,
+               num_hidden_layers=_count(shapes, re.escape(prefix) + r"text_model\.encoder\.layers\.(\d+)\."),
+               intermediate_size=shapes[f"{prefix}text_model.encoder.layers.0.mlp.fc1.weight"][0],
+               num_attention_heads=max(1, width // 64))  # every CLIP text model has 64-wide heads
+    projection = shapes.get(f"{prefix}text_projection.weight")
+    if projection is not None:
+        out["projection_dim"] = projection[0]
+    return out
+
+
+def t5_config(base: dict[str, Any], shapes: Shapes, prefix: str = "") -> dict[str, Any]:
+    """A T5 encoder config fitted to a file: width, depth, heads, MLP width, vocabulary."""
+    shared = shapes.get(f"{prefix}shared.weight") or shapes.get(f"{prefix}encoder.embed_tokens.weight")
+    bias = shapes.get(f"{prefix}encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+    if shared is None or bias is None:
+        raise CheckpointError("no T5 encoder in it (shared.weight / encoder.block.0...relative_attention_bias "
+                              "missing): is it a t5xxl text encoder file?")
+    heads = bias[1]
+    inner = shapes[f"{prefix}encoder.block.0.layer.0.SelfAttention.q.weight"][0]
+    return dict(base, vocab_size=shared[0], d_model=shared[1], num_heads=heads, d_kv=inner // heads,
+                d_ff=shapes[f"{prefix}encoder.block.0.layer.1.DenseReluDense.wo.weight"][1],
+                num_layers=_count(shapes, re.escape(prefix) + r"encoder\.block\.(\d+)\."))
+
+
+def fill(model: torch.nn.Module, path: Path, prefix: str = "", rename=None) -> torch.nn.Module:
+    """Copy the file's tensors into ``model`` one at a time (cast to the model's dtype there: an
+    fp8 file never becomes an fp32 copy). Every parameter the model has must be in the file."""
+    from safetensors import safe_open
+
+    own = model.state_dict()
+    missing = set(own)
+    with safe_open(str(path), framework="pt") as f, torch.no_grad():
+        for key in f.keys():
+            if not key.startswith(prefix):
+                continue
+            name = key[len(prefix):]
+            name = rename(name) if rename else name
+            if name not in own and name.startswith("text_model.") and name[len("text_model."):] in own:
+                name = name[len("text_model."):]  # transformers 5's CLIPTextModel is the text model itself
+            target = own.get(name)
+            if target is None:
+                continue
+            tensor = f.get_tensor(key)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"{path.name}: {key} is {tuple(tensor.shape)}, the model expects "
+                                      f"{tuple(target.shape)}")
+            target.copy_(tensor.to(target.dtype))
+            missing.discard(name)
+    # tied or derived entries the files leave out
+    missing -= {"text_model.embeddings.position_ids", "embeddings.position_ids", "encoder.embed_tokens.weight"}
+    if missing:
+        raise CheckpointError(f"{path.name} lacks {len(missing)} weights of the model (e.g. {sorted(missing)[:3]}); "
+                              "it may be truncated or a different model")
+    if hasattr(model, "encoder") and hasattr(model, "shared"):  # T5: the encoder reads the shared table
+        model.encoder.embed_tokens = model.shared
+    return model.eval()
+
+
+def load_clip(path: Path, base: dict[str, Any], projected: bool, dtype: torch.dtype, prefix: str = ""):
+    """A CLIP text encoder (with the projection head for SD3's, without for FLUX.1's) from a file."""
+    import transformers
+
+    shapes = read_shapes(path)
+    config = clip_config(base, shapes, prefix)
+    cls = transformers.CLIPTextModelWithProjection if projected else transformers.CLIPTextModel
+    if projected and f"{prefix}text_projection.weight" not in shapes:
+        raise CheckpointError(f"{path.name} has no text_projection: SD3 needs its CLIPs with projection "
+                              "(clip_l.safetensors / clip_g.safetensors as SD3 ships them)")
+    model = cls(transformers.CLIPTextConfig(**{k: v for k, v in config.items() if not k.startswith("_")}))
+    return fill(model.to(dtype), path, prefix)
+
+
+def load_t5(path: Path, base: dict[str, Any], dtype: torch.dtype, prefix: str = ""):
+    """A T5 encoder from a file (fp16, bf16 or fp8 e4m3 as published)."""
+    import transformers
+
+    config = t5_config(base, read_shapes(path), prefix)
+    model = transformers.T5EncoderModel(transformers.T5Config(**{k: v for k, v in config.items()
+                                                                 if not k.startswith("_")}))
+    return fill(model.to(dtype), path, prefix)
+
+
+def vae_config(base: dict[str, Any], shapes: Shapes, prefix: str = "") -> dict[str, Any]:
+    """The KL VAE's config fitted to an LDM-layout file: latent channels, level widths, depth."""
+    conv_in = shapes.get(f"{prefix}decoder.conv_in.weight")
+    if conv_in is None:
+        raise CheckpointError("no VAE decoder in it (decoder.conv_in.weight missing): is it a VAE file "
+                              "such as FLUX.1's ae.safetensors?")
+    levels = _count(shapes, re.escape(prefix) + r"encoder\.down\.(\d+)\.")
+    widths = [shapes[f"{prefix}encoder.down.{i}.block.0.conv1.weight"][0] for i in range(levels)]
+    return dict(base, latent_channels=conv_in[1], block_out_channels=widths,
+                layers_per_block=_count(shapes, re.escape(prefix) + r"encoder\.down\.0\.block\.(\d+)\."),
+                use_quant_conv=f"{prefix}quant_conv.weight" in shapes,
+                use_post_quant_conv=f"{prefix}post_quant_conv.weight" in shapes)
+
+
+__all__ = ["PLACES", "clip_config", "fill", "find_files", "load_clip", "load_t5", "t5_config", "vae_config"]
