@@ -215,3 +215,16 @@ def test_flow_models_take_the_flow_samplers():
     assert pipe.scheduler.config.use_dynamic_shifting is False  # schnell's own settings kept
     with pytest.raises(InvalidValue, match="no flow-matching form.*Euler"):
         accelerate(load_pipeline("builtin:tiny-sd3"), sampler="DPM++ 2M Karras")
+
+
+@pytest.mark.slow
+def test_flux_true_cfg_runs_the_negative_prompt_on_the_engine_too(ort_engines):
+    engine_dir, _ = ort_engines
+    kwargs = dict(true_cfg_scale=2.0, negative_prompt="blurry")
+    ref = torch_image("builtin:tiny-flux", **kwargs)
+    pipe = engine_pipe("builtin:tiny-flux", engine_dir, "onnxruntime")
+    out = generate(pipe, **kwargs)
+    assert np.abs(out - ref).max() < 2e-3
+    s = stats(pipe)
+    assert s["transformer"]["engine_calls"] == 6 and s["transformer"]["torch_calls"] == 0  # 3 steps x 2
+    assert s["t5"]["engine_calls"] == 2
