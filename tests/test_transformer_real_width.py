@@ -54,9 +54,12 @@ def test_flux_width_slice_builds_and_validates_at_1024_within_memory(tmp_path):
     assert result["profile"] == "static.b1.h1024.w1024.t77.l512"
     validation = result["validation"]
     assert validation["ok"] and validation["points"] == ["opt"] and validation["rel_l2"] < 1e-3, validation
-    # the fp32 weights are ~2 GiB: the export, the conversion and the check at 4,608 tokens fit in a
-    # small multiple of them (measured: see the BOUND note below)
+    # the fp32 weights are 2.0 GiB: the export, the conversion and the check at 4,608 tokens fit in a
+    # small multiple of them (see BOUND)
+    print(f"FLUX-width slice at 1024 px: {result['params'] / 1e6:.0f}M parameters, peak RSS "
+          f"{result['peak'] / GIB:.2f} GiB, rel_l2 {validation['rel_l2']:.1e}")
     assert result["peak"] < BOUND, f"peak RSS {result['peak'] / GIB:.1f} GiB"
 
 
-BOUND = 14 * GIB
+# measured 7.5 GiB (546M parameters, OpenVINO 2026.4, a 2-core AMD EPYC, 2026-12-06): a third above
+BOUND = 10 * GIB
