@@ -2,8 +2,9 @@
 pipeline runs on a few prompts, and kept on disk (one ``.npz`` per model, component and shape)
 so a rebuild does not run the pipeline again.
 
-The UNet is captured at every denoising step (so early, noisy and late, clean latents are all
-represented); the VAE decoder sees each run's final latents; the text encoder each prompt's ids.
+The UNet (SD3's and FLUX.1's transformer) is captured at every denoising step (so early, noisy and
+late, clean latents are all represented); the VAE decoder sees each run's final latents; the text
+encoder each prompt's ids.
 A ControlNet pipeline runs with a made-up edge map per prompt
 (:func:`sd_accel.models.hints.synthetic_edges`) at conditioning scale 1: each ControlNet is
 captured at every step (latents, timestep, text, control image), and the residual-taking UNet
@@ -36,7 +37,7 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
     "abstract geometric shapes, bauhaus poster",
 )
 # pipeline attribute whose forward inputs are captured, per component
-_HOOKED = {"unet": "unet", "unet_control": "unet", "clip": "text_encoder"}
+_HOOKED = {"unet": "unet", "unet_control": "unet", "clip": "text_encoder", "transformer": "transformer"}
 
 
 def _np(t: torch.Tensor, like: torch.dtype) -> np.ndarray:
@@ -68,7 +69,7 @@ def feed_from_call(spec, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
         v = values[name]
         if not torch.is_tensor(v):
             v = torch.tensor(v, dtype=torch.float32)
-        if name == "sample":
+        if name in ("sample", "hidden_states"):  # (the transformer families' latents)
             batch = v.shape[0]
         if name == "conditioning_scale" and v.dim() < 2:  # one scale per residual and row, as exported
             v = v.reshape(-1)[:1].expand(batch, spec.num_residuals)
@@ -91,6 +92,7 @@ def capture_calibration(
     steps: int = 8,
     guidance_scale: float = 7.5,
     seed: int = 0,
+    max_sequence_length: int | None = None,
 ) -> dict[str, CalibrationSet]:
     """Run ``pipe`` on ``prompts`` and record the inputs of every component in ``specs``.
 
@@ -122,8 +124,8 @@ def capture_calibration(
     try:
         for i, prompt in enumerate(prompts):
             latents = prompt_run(pipe, prompt, i, height=height, width=width, batch=batch, steps=steps,
-                                 guidance_scale=guidance_scale, seed=seed)
-            if "vae_decoder" in specs:
+                                 guidance_scale=guidance_scale, seed=seed, max_sequence_length=max_sequence_length)
+            if "vae_decoder" in specs and latents.dim() == 4:  # (FLUX.1 hands back its latents packed)
                 sets["vae_decoder"].feeds.append({"latent": _np(latents / pipe.vae.config.scaling_factor,
                                                                 torch.float32)})
     finally:
@@ -133,7 +135,7 @@ def capture_calibration(
 
 
 def prompt_run(pipe, prompt: str, index: int, *, height: int, width: int, batch: int = 1, steps: int = 8,
-               guidance_scale: float = 7.5, seed: int = 0) -> torch.Tensor:
+               guidance_scale: float = 7.5, seed: int = 0, max_sequence_length: int | None = None) -> torch.Tensor:
     """The final latents (scaled as the UNet sees them) of calibration run ``index`` on ``prompt``:
     its generator seed, and for a ControlNet pipeline its made-up edge maps, follow from ``index``,
     so the run can be made again (the int8 UNet's image check makes it again on the engine)."""
@@ -147,6 +149,8 @@ def prompt_run(pipe, prompt: str, index: int, *, height: int, width: int, batch:
 
         hints = [synthetic_edges((width, height), seed=seed + index + 7 * n) for n in range(len(nets))]
         control = {"image": hints[0] if len(nets) == 1 else hints}
+    if max_sequence_length is not None:  # SD3's and FLUX.1's T5 length: the profile's
+        control["max_sequence_length"] = max_sequence_length
     with torch.no_grad():
         return pipe([prompt] * batch, height=height, width=width, num_inference_steps=steps,
                     guidance_scale=guidance_scale, generator=g, output_type="latent", **control).images
@@ -163,8 +167,10 @@ def run_settings(profile, prompts: Sequence[str] = CALIBRATION_PROMPTS[:4], step
     guidance (``prompt_run``'s keywords). A profile without CFG (``cfg=False``: one UNet row per
     image, the few-step recipes) is calibrated on calls without it: with guidance the captured
     UNet feeds had twice its batch."""
+    text = getattr(profile, "text", None)
     return {"height": profile.height[1], "width": profile.width[1], "batch": profile.batch[1], "steps": steps,
-            "guidance_scale": 7.5 if getattr(profile, "cfg", True) else 1.0}
+            "guidance_scale": 7.5 if getattr(profile, "cfg", True) else 1.0,
+            "max_sequence_length": None if text is None else text[1]}
 
 
 def _cache_file(cache_root: Path, fingerprint: str, component: str, shapes: dict, prompts, steps: int) -> Path:
@@ -192,7 +198,7 @@ def calibration_for(
     path = _cache_file(cache_root, fingerprint(spec.torch_module()), spec.name, shapes, prompts, steps)
     if path.exists():
         return CalibrationSet.load(spec.name, path)
-    specs = {n: s for n, s in specs_for(pipe).items() if n in ("unet", "vae_decoder", "clip")}
+    specs = {n: s for n, s in specs_for(pipe).items() if n in ("unet", "transformer", "vae_decoder", "clip")}
     specs.update(control_specs(pipe))  # a ControlNet pipeline's nets and residual-taking UNet
     settings = run_settings(profile, prompts, steps)
     log.info("capturing calibration data: %d prompts x %d steps at %dx%d", len(prompts), steps, settings["width"],

@@ -164,45 +164,53 @@ def image_psnr(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def unet_image_psnr(spec, runner, profile: Profile, memo: dict | None = None) -> float | None:
-    """PSNR (dB) of the picture the pipeline makes with ``runner`` as its UNet against the one its
-    torch UNet makes, on the last calibration prompt (:func:`sd_accel.calibration.replay`), both
-    decoded by the pipeline's VAE in torch fp32. ``memo`` keeps the torch picture between the int8
-    scopes one build tries. None where ``spec`` is not a diffusers pipeline's UNet (the WebUI's
-    and ComfyUI's have no pipeline to run)."""
+    """PSNR (dB) of the picture the pipeline makes with ``runner`` as its UNet (or SD3's / FLUX.1's
+    transformer) against the one its torch module makes, on the last calibration prompt
+    (:func:`sd_accel.calibration.replay`), both decoded by the pipeline's VAE in torch fp32.
+    ``memo`` keeps the torch picture between the int8 scopes one build tries. None where ``spec``
+    is not a diffusers pipeline's denoiser (the WebUI's and ComfyUI's have no pipeline to run)."""
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
     from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-    from sd_accel.calibration import feed_from_call, replay
+    from sd_accel.calibration import feed_from_call, replay, run_settings
     from sd_accel.components.controlnet import controlnets_of
 
     pipe = getattr(spec, "pipe", None)
-    unet, vae = getattr(pipe, "unet", None), getattr(pipe, "vae", None)
+    module, vae = getattr(pipe, spec.name, None), getattr(pipe, "vae", None)
     # (a ControlNet pipeline's UNet calls carry residuals, which are another engine's: unet_control)
-    if spec.name != "unet" or unet is None or vae is None or not callable(pipe) or controlnets_of(pipe):
+    if spec.name not in ("unet", "transformer") or module is None or vae is None or not callable(pipe) \
+            or controlnets_of(pipe):
         return None
     memo = {} if memo is None else memo
     out_name = spec.outputs()[0].name
+    output = UNet2DConditionOutput if spec.name == "unet" else Transformer2DModelOutput
+    settings = run_settings(profile)
 
     def picture(latents: torch.Tensor) -> torch.Tensor:
+        if latents.dim() == 3:  # FLUX.1's latents come back packed in 2x2 patches
+            latents = type(pipe)._unpack_latents(latents, settings["height"], settings["width"],
+                                                 pipe.vae_scale_factor)
+        shift = float(vae.config.get("shift_factor") or 0.0)  # (SD3's and FLUX.1's VAEs have one)
         with fp32_on(vae), torch.no_grad():
-            return vae.decode(latents.float() / vae.config.scaling_factor).sample
+            return vae.decode(latents.float() / vae.config.scaling_factor + shift).sample
 
     def on_engine(*args, **kwargs):
         feed = {k: torch.from_numpy(v) for k, v in feed_from_call(spec, args, kwargs).items()}
-        like = args[0] if args else kwargs["sample"]
+        like = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
         sample = runner.infer(feed)[out_name].to(like.dtype)
-        return UNet2DConditionOutput(sample=sample) if kwargs.get("return_dict", True) else (sample,)
+        return output(sample=sample) if kwargs.get("return_dict", True) else (sample,)
 
     if "torch" not in memo:
         memo["torch"] = picture(replay(pipe, profile))
-    own = unet.__dict__.get("forward")  # accelerate's hooks set one; put it back after
-    unet.forward = on_engine
+    own = module.__dict__.get("forward")  # accelerate's hooks set one; put it back after
+    module.forward = on_engine
     try:
         got = picture(replay(pipe, profile))
     finally:
         if own is None:
-            del unet.forward
+            del module.forward
         else:
-            unet.forward = own
+            module.forward = own
     return image_psnr(got, memo["torch"])
 
 

@@ -228,3 +228,30 @@ def test_flux_true_cfg_runs_the_negative_prompt_on_the_engine_too(ort_engines):
     s = stats(pipe)
     assert s["transformer"]["engine_calls"] == 6 and s["transformer"]["torch_calls"] == 0  # 3 steps x 2
     assert s["t5"]["engine_calls"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["builtin:tiny-sd3", "builtin:tiny-flux-dev"])
+def test_bf16_and_int8_transformers_pass_their_gates(tmp_path, name):
+    """bf16 by the per-call check; int8 (calibrated on the pipeline's own runs at the profile's T5
+    length) by the held-out captured calls and then by the picture its pipeline makes, as int8
+    UNets are judged."""
+    pytest.importorskip("nncf", reason="OpenVINO int8 quantizes with NNCF (pip install nncf)")
+    from sd_accel.backends.registry import get_backend
+
+    if "bf16" not in get_backend("openvino", device="cpu").precisions():
+        pytest.skip("this CPU has no bf16 (AVX512-BF16 or AMX): OpenVINO builds no bf16 engines here")
+    profile = Profile(batch=1, height=64, width=64, text=64)
+    for precision in ("bf16", "int8"):
+        (record,) = build_engines(load_pipeline(name), profiles=[profile], backend="openvino", precision=precision,
+                                  components=["transformer"], engine_dir=tmp_path, progress=False)
+        assert record.validation["ok"] and record.key.precision == precision, record.validation
+        assert record.validation["rel_l2"] < (0.05 if precision == "bf16" else 0.1)
+        if precision == "int8":
+            assert record.validation["points"][0].startswith("holdout")  # real captured calls
+            assert record.validation["image_psnr"] > 35, record.validation  # measured 42.8 (SD3), 57.7 (FLUX dev)
+    pipe = accelerate(load_pipeline(name), AccelConfig(engines=True, engine_dir=str(tmp_path), backend="openvino",
+                                                       engine_precision="int8"))
+    generate(pipe, guidance_scale=3.5)
+    s = stats(pipe)["transformer"]
+    assert s["torch_calls"] == 0 and any(".int8." in e for e in s["engines_used"]), s
