@@ -45,7 +45,7 @@ from sd_accel.refit import refit_engines
 
 log = logging.getLogger("sd_accel")
 
-__all__ = ["SHARED_COMPONENTS", "AccelState", "control_arguments", "accelerate", "control_canny", "control_hint", "controlnet_pipeline", "describe_machine", "generation_defaults", "load_controlnet",
+__all__ = ["SHARED_COMPONENTS", "AccelState", "control_arguments", "accelerate", "control_canny", "control_hint", "controlnet_pipeline", "describe_machine", "generation_defaults", "load_controlnet", "model_family",
            "load_pipeline", "load_tiny_vae", "ModelInfo", "refit_engines", "resolve_device", "use_vae", "with_controlnets"]
 
 
@@ -80,16 +80,30 @@ class AccelState:
 def generation_defaults(pipe) -> dict[str, Any]:
     """The steps and guidance (``steps``, ``cfg``) a face generates with when the user gives none:
     the model makers' recommendation for the pipeline's family (SD 1.x/2.x/SDXL 20 / 7, SD3.5
-    Medium 28 / 4.5, FLUX.1 dev 28 / 3.5, FLUX.1 schnell 4 / 0).
+    Medium 28 / 4.5, FLUX.1 dev 28 / 3.5, FLUX.1 schnell 4 / 0). ``pipe`` may be a family name
+    (:func:`model_family`).
 
     >>> generation_defaults(load_pipeline("builtin:tiny-flux"))
     {'steps': 4, 'cfg': 0.0}
     """
     from sd_accel.models.families import FAMILIES
 
-    info = getattr(pipe, "sd_accel_model", None)
-    family = FAMILIES.get(getattr(info, "family", "")) or FAMILIES["sd15"]
+    name = pipe if isinstance(pipe, str) else getattr(getattr(pipe, "sd_accel_model", None), "family", "")
+    family = FAMILIES.get(name) or FAMILIES["sd15"]
     return {"steps": family.steps, "cfg": family.cfg}
+
+
+def model_family(source) -> str | None:
+    """The family of a model source (``sd15``, ``sdxl``, ``sd3``, ``flux-dev`` ...) without loading
+    it; None when it cannot tell. With :func:`generation_defaults` and
+    :func:`sd_accel.profiles.default_preset`, what a face shows before the first run.
+
+    >>> model_family("builtin:tiny-sd3")
+    'sd3'
+    """
+    from sd_accel.models.load import family_of
+
+    return family_of(source)
 
 
 def resolve_device(requested: str) -> torch.device:

@@ -205,6 +205,47 @@ def _folder_family(pipe: diffusers.DiffusionPipeline) -> str:
     return "sd15"
 
 
+def family_of(source: str | os.PathLike) -> str | None:
+    """The model family of ``source`` without loading its weights (a diffusers folder's index, a
+    single file's header, a built-in's name), or None when it cannot tell (no such file, a file
+    of no known family). For a face that sets its defaults before it loads anything.
+
+    >>> family_of("builtin:tiny-flux"), family_of("builtin:tiny-sd3"), family_of("no/such/file.safetensors")
+    ('flux-schnell', 'sd3', None)
+    """
+    import json
+
+    from sd_accel.models.builtin import BUILTINS
+
+    text = os.fspath(source).strip()
+    if text.startswith(BUILTIN_PREFIX):
+        return BUILTINS.get(text[len(BUILTIN_PREFIX):])
+    path = Path(text).expanduser()
+    try:
+        if path.is_dir():
+            index = json.loads((path / "model_index.json").read_text())
+            name = str(index.get("_class_name", ""))
+            if name.startswith("StableDiffusion3"):
+                return "sd3"
+            if name.startswith("Flux"):
+                config = json.loads((path / "transformer" / "config.json").read_text())
+                return "flux-dev" if config.get("guidance_embeds") else "flux-schnell"
+            return "sdxl" if "XL" in name else "sd15"
+        if path.is_file() and path.suffix.lower() in SAFE_SUFFIXES:
+            from sd_accel.models.flux import family_of as flux_family
+            from sd_accel.models.flux import flux_prefix
+            from sd_accel.models.sd3 import sd3_prefix
+
+            shapes = read_shapes(path)
+            prefix = flux_prefix(shapes)
+            if prefix is not None:
+                return flux_family(shapes, prefix)
+            return "sd3" if sd3_prefix(shapes) is not None else detect(shapes, path.name).family
+    except (OSError, ValueError):  # (CheckpointError is a ValueError)
+        return None
+    return None
+
+
 def load_pipeline(
     source: str | os.PathLike | diffusers.DiffusionPipeline,
     *,

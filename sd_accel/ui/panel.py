@@ -145,7 +145,7 @@ def _generate_tab(state: PanelState, model: gr.Textbox, tiny_vae: gr.Textbox) ->
                 sampler = gr.Dropdown(_sampler_choices(), value="DPM++ 2M Karras", label="Sampler",
                                       elem_id="sd-accel-sampler")
                 steps = gr.Slider(1, 150, value=20, step=1, label="Steps", elem_id="sd-accel-steps")
-                cfg = gr.Slider(1.0, 30.0, value=7.0, step=0.5, label="CFG scale", elem_id="sd-accel-cfg")
+                cfg = gr.Slider(0.0, 30.0, value=7.0, step=0.5, label="CFG scale", elem_id="sd-accel-cfg")
                 preview = gr.Dropdown(list(PREVIEW_MODES), value=DEFAULT_PREVIEW, label="Live preview",
                                       info="auto: tiny VAE if set, else latent2rgb", elem_id="sd-accel-preview")
             with gr.Row():
