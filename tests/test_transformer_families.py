@@ -255,3 +255,29 @@ def test_bf16_and_int8_transformers_pass_their_gates(tmp_path, name):
     generate(pipe, guidance_scale=3.5)
     s = stats(pipe)["transformer"]
     assert s["torch_calls"] == 0 and any(".int8." in e for e in s["engines_used"]), s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["builtin:tiny-sd3", "builtin:tiny-flux"])
+def test_inpaint_pipelines_run_on_the_engines(ort_engines, name):
+    import diffusers
+
+    engine_dir, _ = ort_engines
+    cls = diffusers.StableDiffusion3InpaintPipeline if "sd3" in name else diffusers.FluxInpaintPipeline
+    rng = np.random.default_rng(0)
+    image = rng.random((64, 64, 3)).astype(np.float32)
+    mask = np.zeros((64, 64), np.float32)
+    mask[16:48, 16:48] = 1.0
+
+    def inpaint(pipe):
+        g = torch.Generator("cpu").manual_seed(0)
+        return pipe(prompt="a cat", image=image, mask_image=mask, strength=0.8, num_inference_steps=4, generator=g,
+                    output_type="np", max_sequence_length=64, height=64, width=64).images
+
+    ref = inpaint(cls.from_pipe(accelerate(load_pipeline(name), precision="fp32")))
+    pipe = engine_pipe(name, engine_dir, "onnxruntime")
+    out = inpaint(cls.from_pipe(pipe))
+    assert np.abs(out - ref).max() < 2e-3
+    s = stats(pipe)
+    assert s["transformer"]["torch_calls"] == 0 and s["transformer"]["engine_calls"] > 0
+    assert s["vae_encoder"]["engine_calls"] >= 1
