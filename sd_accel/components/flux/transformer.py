@@ -19,8 +19,9 @@ from contextlib import nullcontext
 import torch
 
 from sd_accel.components.flux.export import export_patches
-from sd_accel.components.spec import ComponentSpec, TensorSpec
+from sd_accel.components.spec import TensorSpec
 from sd_accel.components.t5 import text_range
+from sd_accel.components.transformer import TransformerSpec
 from sd_accel.components.unet import vae_scale_factor
 from sd_accel.profiles import Profile, Range
 
@@ -59,18 +60,8 @@ class _FluxExport(torch.nn.Module):
         return (out,)
 
 
-class FluxTransformerSpec(ComponentSpec):
+class FluxTransformerSpec(TransformerSpec):
     """``pipe.transformer`` of a FLUX.1 pipeline."""
-
-    name = "transformer"
-    attribute = "transformer"
-
-    def torch_module(self) -> torch.nn.Module:
-        return self.pipe.transformer
-
-    @property
-    def _cfg(self):
-        return self.pipe.transformer.config
 
     @property
     def guidance(self) -> bool:

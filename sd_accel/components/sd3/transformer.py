@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from sd_accel.components.spec import ComponentSpec, TensorSpec
+from sd_accel.components.spec import TensorSpec
 from sd_accel.components.t5 import text_range
+from sd_accel.components.transformer import TransformerSpec
 from sd_accel.components.unet import to_latent, vae_scale_factor
 from sd_accel.profiles import TOKEN_CHUNK, Profile, Range
 
@@ -44,18 +45,8 @@ class _SD3Export(torch.nn.Module):
         return (out,)
 
 
-class SD3TransformerSpec(ComponentSpec):
-    """``pipe.transformer`` of an SD3 / SD3.5 pipeline."""
-
-    name = "transformer"
-    attribute = "transformer"
-
-    def torch_module(self) -> torch.nn.Module:
-        return self.pipe.transformer
-
-    @property
-    def _cfg(self):
-        return self.pipe.transformer.config
+class SD3TransformerSpec(TransformerSpec):
+    """``pipe.transformer`` of a SD3 / SD3.5 pipeline."""
 
     def inputs(self) -> tuple[TensorSpec, ...]:
         cfg, f32 = self._cfg, torch.float32
