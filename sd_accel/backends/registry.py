@@ -5,15 +5,15 @@ returning an object that keeps the contract in ``base.py``, plus one entry below
 module is cheap: a backend's folder (and its library) is imported only when it is used.
 
 ``auto`` is the fastest usable backend for the device: on an NVIDIA GPU TensorRT where it imports,
-else ONNX Runtime; on a CPU OpenVINO (a regular dependency where its wheels exist: bf16 on CPUs
+else the compiled PyTorch backend (torch.compile + CUDA graphs), else ONNX Runtime; on a CPU OpenVINO (a regular dependency where its wheels exist: bf16 on CPUs
 with AVX512-BF16 or AMX, fp32 elsewhere; int8 only when asked), else ONNX Runtime.
 
 >>> [entry.name for entry in TABLE]
-['tensorrt', 'openvino', 'onnxruntime']
+['tensorrt', 'compile', 'openvino', 'onnxruntime']
 >>> entry("openvino").torch_device
 'cpu'
 >>> auto_order("cpu"), auto_order("cuda")
-(('openvino', 'onnxruntime'), ('tensorrt', 'onnxruntime'))
+(('openvino', 'onnxruntime'), ('tensorrt', 'compile', 'onnxruntime'))
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ TABLE: tuple[BackendEntry, ...] = (
     BackendEntry("tensorrt", "sd_accel.backends.tensorrt", "cuda", "NVIDIA GPUs",
                  "pip install 'sd-accel[tensorrt]' with a CUDA build of torch (see README, GPU)",
                  builds=("fp16", "fp32"), title="TensorRT"),
+    BackendEntry("compile", "sd_accel.backends.compile", "cuda",
+                 "NVIDIA GPUs without TensorRT (torch.compile + CUDA graphs); CPUs opt-in",
+                 "a CUDA build of torch with Triton (Linux); on a CPU, a C++ compiler (g++)",
+                 builds=("fp16", "bf16", "fp32"), title="torch.compile",
+                 pitch="the fastest path on an NVIDIA GPU without TensorRT; LoRA changes need no rebuild"),
     BackendEntry("openvino", "sd_accel.backends.openvino", "cpu", "CPUs (bf16 with AVX512-BF16 or AMX, int8 with NNCF)",
                  "pip install openvino (installed with sd-accel where OpenVINO has wheels: Linux x86_64 "
                  "and aarch64, Windows x86_64, macOS arm64)",
@@ -60,10 +65,12 @@ TABLE: tuple[BackendEntry, ...] = (
                  "pip install onnxruntime", builds=("fp32", "int8", "int8-dynamic"), title="ONNX Runtime"),
 )
 # ``auto`` takes the first of these that is usable here, by device kind: OpenVINO is the fastest
-# CPU backend measured (scripts/BENCHMARKS.md), and its engines run on the CPU only, so a machine
-# with CUDA but no TensorRT keeps ONNX Runtime (its CUDA provider when present).
+# CPU backend measured (scripts/BENCHMARKS.md; Inductor against it on the same UNet:
+# scripts/BENCHMARKS-compile.md, so ``compile`` is opt-in on CPUs), and its engines run on the CPU
+# only, so a machine with CUDA but no TensorRT takes the compiled PyTorch backend (Triton comes
+# with CUDA builds of torch), then ONNX Runtime (its CUDA provider when present).
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("tensorrt", "onnxruntime"),
+    "cuda": ("tensorrt", "compile", "onnxruntime"),
     "cpu": ("openvino", "onnxruntime"),
 }
 
