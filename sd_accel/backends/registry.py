@@ -41,6 +41,10 @@ class BackendEntry:
     builds: tuple[str, ...] = ()
     title: str = ""  # its name as a face prints it (default: ``name``)
     pitch: str = ""  # why a user would want it, for a face that says it is not installed
+    # Its runners run the pipeline's live torch modules, handed over when engines are swapped into a
+    # diffusers pipeline (Backend.attach): the WebUI and ComfyUI run their own UNet, so their ``auto``
+    # leaves it out (``auto_order(..., live_modules=False)``).
+    live_modules: bool = False
 
     @property
     def display(self) -> str:
@@ -55,7 +59,8 @@ TABLE: tuple[BackendEntry, ...] = (
                  "NVIDIA GPUs without TensorRT (torch.compile + CUDA graphs); CPUs opt-in",
                  "a CUDA build of torch with Triton (Linux); on a CPU, a C++ compiler (g++)",
                  builds=("fp16", "bf16", "fp32"), title="torch.compile",
-                 pitch="the fastest path on an NVIDIA GPU without TensorRT; LoRA changes need no rebuild"),
+                 pitch="the fastest path on an NVIDIA GPU without TensorRT; LoRA changes need no rebuild",
+                 live_modules=True),
     BackendEntry("openvino", "sd_accel.backends.openvino", "cpu", "CPUs (bf16 with AVX512-BF16 or AMX, int8 with NNCF)",
                  "pip install openvino (installed with sd-accel where OpenVINO has wheels: Linux x86_64 "
                  "and aarch64, Windows x86_64, macOS arm64)",
@@ -111,24 +116,32 @@ def create(name: str, cache_root: Path | None = None):
     return importlib.import_module(entry(name).module).create(cache_root)
 
 
-def auto_order(device: str | None = None) -> tuple[str, ...]:
+def auto_order(device: str | None = None, live_modules: bool = True) -> tuple[str, ...]:
     """The backends ``auto`` tries, in order, for ``device`` (``cuda``, ``cuda:1``, ``cpu``, ``mps``;
     default: CUDA when torch sees a GPU, else the CPU). Every non-CUDA device takes the CPU order:
-    the CPU backends' engines run on the CPU whatever torch runs on."""
+    the CPU backends' engines run on the CPU whatever torch runs on. ``live_modules=False``: without
+    the backends that run the pipeline's own torch modules (a host that runs its own UNet).
+
+    >>> auto_order("cuda", live_modules=False)
+    ('tensorrt', 'onnxruntime')
+    """
     if device is None:
         import torch  # here, not at import: the registry stays cheap to import
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return AUTO_ORDER["cuda" if str(device).startswith("cuda") else "cpu"]
+    order = AUTO_ORDER["cuda" if str(device).startswith("cuda") else "cpu"]
+    return order if live_modules else tuple(n for n in order if not entry(n).live_modules)
 
 
-def get_backend(name: str = "auto", cache_root: Path | None = None, device: str | None = None):
-    """A usable backend: ``name``, or for ``auto`` the first usable one of :func:`auto_order`.
+def get_backend(name: str = "auto", cache_root: Path | None = None, device: str | None = None,
+                live_modules: bool = True):
+    """A usable backend: ``name``, or for ``auto`` the first usable one of :func:`auto_order`
+    (``live_modules``: see there).
 
     A named backend that cannot run here raises ``DeviceError`` saying why and how to get it.
     """
     if name == "auto":
-        order = auto_order(device)
+        order = auto_order(device, live_modules)
         for candidate in order:
             backend = create(candidate, cache_root)
             if backend.info().usable:

@@ -16,4 +16,4 @@ def create(cache_root: Path | None = None) -> CompileBackend:
     """The registry's constructor: runs where torch runs the pipeline (CUDA when torch sees a GPU)."""
     import torch
 
-    return CompileBackend("cuda" if torch.cuda.is_available() else "cpu")
+    return CompileBackend("cuda" if torch.cuda.is_available() else "cpu", cache_root=cache_root)

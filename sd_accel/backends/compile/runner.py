@@ -12,15 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from sd_accel.backends.compile.graphs import GraphBook, signature, weight_addresses
+from sd_accel.backends.compile.settings import DTYPES, Attached, CompileSettings
 from sd_accel.core import EngineError, ShapeRanges, covers
-
-if TYPE_CHECKING:
-    from sd_accel.backends.compile.builder import CompileBackend, _Attached
 
 log = logging.getLogger("sd_accel")
 
@@ -46,7 +44,8 @@ class CompiledRunner:
     """``infer(feed) -> outputs`` through ``torch.compile`` of the live module. Outputs may be a
     CUDA graph's static buffers, overwritten by the next call: clone what you keep."""
 
-    def __init__(self, backend: CompileBackend, manifest: dict[str, Any], shapes: ShapeRanges) -> None:
+    # ``backend``: the CompileBackend (builder.py, which imports this module: not named here)
+    def __init__(self, backend: Any, manifest: dict[str, Any], shapes: ShapeRanges) -> None:
         self.backend = backend
         self.manifest = manifest
         self.shapes = shapes
@@ -55,13 +54,13 @@ class CompiledRunner:
         self.precision: str = manifest["precision"]
         self.counts = RunnerCounts()
         self._compiled: Any = None
-        self._live: _Attached | None = None
+        self._live: Attached | None = None
         self._broken: dict[tuple, str] = {}  # signature -> why (a graph break at those shapes)
         self.graphs: GraphBook | None = None
 
     # ---- setup -------------------------------------------------------------------------------
 
-    def _ensure(self) -> _Attached:
+    def _ensure(self) -> Attached:
         live = self.backend.attached(self.component, self.model)
         if live is None:
             raise EngineError(f"the compiled {self.component} runs the live torch module, and none was handed "
@@ -71,9 +70,7 @@ class CompiledRunner:
             self._compiled = self._compile(live)
         return live
 
-    def _compile(self, live: _Attached):
-        from sd_accel.backends.compile.builder import CompileSettings
-
+    def _compile(self, live: Attached):
         settings: CompileSettings = self.backend.settings
         cuda = self.backend.cuda
         if cuda and settings.channels_last and any(isinstance(m, torch.nn.Conv2d) for m in live.module.modules()):
@@ -86,6 +83,9 @@ class CompiledRunner:
         elif self.backend.new_capturer is not None:  # the tests' CPU stand-in
             self.graphs = GraphBook(self.backend.new_capturer, settings.max_graphs)
         static = bool(self.manifest.get("static"))
+        if settings.compiler != "inductor":  # (modes are Inductor's)
+            return torch.compile(live.export, backend=settings.compiler, fullgraph=settings.fullgraph,
+                                 dynamic=False if static else None)
         return torch.compile(live.export, mode=settings.mode, fullgraph=settings.fullgraph,
                              dynamic=False if static else None)
 
@@ -143,8 +143,6 @@ class CompiledRunner:
 
 
 def _compute_dtype(precision: str) -> torch.dtype:
-    from sd_accel.backends.compile.builder import DTYPES
-
     return DTYPES[precision]
 
 
