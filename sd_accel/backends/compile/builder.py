@@ -201,8 +201,6 @@ class CompileBackend(Backend):
                      progress: Progress) -> list[str]:
         """Compile ``spec``'s module for ``shapes`` in ``precision``; write the manifest and
         Inductor's artifacts into ``out_dir``; return their names."""
-        from sd_accel.backends.compile.runner import CompiledRunner
-
         if precision not in DTYPES:
             raise InvalidValue(f"precision={precision!r}: the compile backend runs fp16, bf16 or fp32")
         self.attach(model, spec)
@@ -211,21 +209,19 @@ class CompileBackend(Backend):
         manifest = {"version": MANIFEST_VERSION, "component": spec.name, "model": model, "precision": precision,
                     "static": static, "shapes": {k: [list(s) for s in v] for k, v in shapes.items()},
                     "settings": asdict(self.settings), "torch": torch.__version__}
-        (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        runner = CompiledRunner(self, manifest, shapes)
-        points = ("opt",) if static else ("opt", "max")  # a dynamic profile: the second shape marks it dynamic
         start = time.perf_counter()
-        for i, point in enumerate(points):
-            progress(0.1 + 0.8 * i / len(points), f"compiling {spec.name} at its {point} shapes (Inductor)")
-            feed = _feed_at(spec, shapes, point, self.torch_device)
-            try:
-                runner.infer(feed)
-            except EngineError as exc:
-                raise CompileFailed(f"torch.compile of {spec.name} failed: {exc}. Use another backend for it "
-                                    f"(components=... without {spec.name!r}) or eager torch") from exc
+        try:
+            self._compile_points(spec, manifest, shapes, static, progress)
+        except CompileFailed as exc:
+            if not self.settings.fullgraph:
+                raise
+            # A graph break: compile the pieces between breaks (no CUDA graphs for this one), and say so.
+            log.warning("%s: %s; compiling it in pieces between graph breaks, without CUDA graphs", spec.name, exc)
+            manifest.update(fullgraph=False, graph_break=str(exc)[:500])
+            self._compile_points(spec, manifest, shapes, static, progress)
+        (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
         log.info("compiled %s (%s, %s) in %.1f s", spec.name, precision, "static" if static else "dynamic",
                  time.perf_counter() - start)
-        runner.close()
         files = [MANIFEST]
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None and saved[0]:
@@ -233,6 +229,25 @@ class CompileBackend(Backend):
             files.append(ARTIFACTS)
         progress(1.0, "compiled")
         return files
+
+    def _compile_points(self, spec: Any, manifest: dict, shapes: ShapeRanges, static: bool,
+                        progress: Progress) -> None:
+        """Compile at the profile's fixed shapes (a dynamic profile: opt, then max, which makes
+        Dynamo mark the varying sizes dynamic); ``CompileFailed`` at a graph break."""
+        from sd_accel.backends.compile.runner import CompiledRunner
+
+        runner = CompiledRunner(self, manifest, shapes)
+        points = ("opt",) if static else ("opt", "max")
+        try:
+            for i, point in enumerate(points):
+                progress(0.1 + 0.8 * i / len(points), f"compiling {spec.name} at its {point} shapes (Inductor)")
+                try:
+                    runner.infer(_feed_at(spec, shapes, point, self.torch_device))
+                except EngineError as exc:
+                    raise CompileFailed(f"torch.compile of {spec.name} failed: {exc}. Use another backend for it "
+                                        f"(components=... without {spec.name!r}) or eager torch") from exc
+        finally:
+            runner.close()
 
     def load(self, engine_dir: Path, files: list[str], shapes: ShapeRanges) -> CompiledRunner:
         from sd_accel.backends.compile.runner import CompiledRunner

@@ -67,8 +67,16 @@ class CompiledRunner:
                               "over: swap it in with accelerate(pipe, backend='compile')")
         if live is not self._live:  # first call, or a new swap handed over another module
             self._live = live
-            self._compiled = self._compile(live)
+            self._compiled = None
         return live
+
+    def _first_eager(self, live: Attached, args: list[torch.Tensor]) -> None:
+        """One eager call before the first compile: libraries set modules up lazily on their first
+        call (transformers installs its output-capturing hooks under a threading lock, which Dynamo
+        cannot enter: a graph break in every text encoder otherwise)."""
+        with torch.no_grad():
+            live.export(*args)
+        self._compiled = self._compile(live)
 
     def _compile(self, live: Attached):
         settings: CompileSettings = self.backend.settings
@@ -76,18 +84,19 @@ class CompiledRunner:
         if cuda and settings.channels_last and any(isinstance(m, torch.nn.Conv2d) for m in live.module.modules()):
             # in place: the pipeline's module keeps its values; NHWC convolutions are Tensor Cores' layout
             live.module.to(memory_format=torch.channels_last)
-        if cuda and settings.cuda_graphs and settings.mode not in ("reduce-overhead", "max-autotune"):
+        fullgraph = bool(self.manifest.get("fullgraph", settings.fullgraph))
+        # (graphs only over a whole graph: the eager pieces between graph breaks may sync with the CPU)
+        if cuda and settings.cuda_graphs and fullgraph and settings.mode not in ("reduce-overhead", "max-autotune"):
             from sd_accel.backends.compile.graphs import cuda_capturers
 
             self.graphs = GraphBook(self.backend.new_capturer or cuda_capturers(), settings.max_graphs)
-        elif self.backend.new_capturer is not None:  # the tests' CPU stand-in
+        elif self.backend.new_capturer is not None and fullgraph:  # the tests' CPU stand-in
             self.graphs = GraphBook(self.backend.new_capturer, settings.max_graphs)
         static = bool(self.manifest.get("static"))
         if settings.compiler != "inductor":  # (modes are Inductor's)
-            return torch.compile(live.export, backend=settings.compiler, fullgraph=settings.fullgraph,
+            return torch.compile(live.export, backend=settings.compiler, fullgraph=fullgraph,
                                  dynamic=False if static else None)
-        return torch.compile(live.export, mode=settings.mode, fullgraph=settings.fullgraph,
-                             dynamic=False if static else None)
+        return torch.compile(live.export, mode=settings.mode, fullgraph=fullgraph, dynamic=False if static else None)
 
     # ---- calls ---------------------------------------------------------------------------------
 
@@ -113,6 +122,8 @@ class CompiledRunner:
             raise self._refuse("graph break", self._broken[sig])
         before = _compiles()
         try:
+            if self._compiled is None:
+                self._first_eager(live, args)
             with torch.no_grad(), _autocast(weight.dtype, dtype, device):
                 if self.graphs is not None:
                     outs = self.graphs.run(self._compiled, args, live.inputs, weight_addresses(module))
