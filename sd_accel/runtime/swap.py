@@ -161,12 +161,12 @@ def _swap_controlnets(pipe, control: dict, cache, backend, fallback: bool, prefe
         if spec.name != CONTROLNET:
             continue
         net = spec.torch_module()
-        if getattr(backend, "reads_live_weights", False):  # (the compiled backend, as in swap_engines)
-            model = backend.model_id(net)
-            backend.attach(model, spec)
-            park_weights = False
-        else:
-            model = fingerprint(net, each=PageDropper() if park_weights else None)
+        if getattr(backend, "reads_live_weights", False):
+            # (the compiled backend) its engines are keyed by architecture, and a pipeline's ControlNets
+            # often share one: their runners could not tell which live module is theirs. They run torch.
+            log.info("%s: the %s backend does not serve ControlNets yet; it runs in torch", key, backend.name)
+            continue
+        model = fingerprint(net, each=PageDropper() if park_weights else None)
         engines = engines_for(cache, backend, model, CONTROLNET, fallback=fallback, prefer_precision=prefer_precision)
         engines.builder = builder
         found[key] = len(engines.handles)

@@ -177,6 +177,11 @@ class CompileBackend(Backend):
         """Give the runners of ``spec.name`` engines keyed by ``model`` the live module. Called
         while the pipeline holds its torch modules (the export wrapper wraps them)."""
         module = spec.torch_module()
+        held = self._attached.get((spec.name, model))
+        if held is not None and held.module is module:
+            # the same module again (a build, then the swap): keep its wrapper, whose compiled code
+            # Dynamo has cached (a new wrapper object fails its guards and is traced again)
+            return
         self._attached[(spec.name, model)] = Attached(
             spec.export_module().eval(), module, tuple(t.name for t in spec.inputs()),
             tuple(t.name for t in spec.outputs()), tuple(t.dtype for t in spec.inputs()))
