@@ -329,6 +329,18 @@ def test_cuda_graphs_one_per_shape_replayed_and_recaptured_when_a_weight_moves()
     assert runner.stats()["graphs"]["replays"] == book.counts.replays
 
 
+def test_a_dynamic_profile_serves_every_shape_in_its_range_without_a_compile_per_shape():
+    runner = _runner(_Plain(), static=False)
+    module = runner.backend.attached("toy", "m").module
+    for batch in (2, 4, 1, 3, 4, 2):
+        x = torch.randn(batch, 8)
+        with torch.no_grad():
+            assert _close(runner.infer({"x": x})["y"], module(x)[0], 1e-5)
+    assert runner.counts.compiles <= 2  # the first shape, then one graph dynamic in the batch
+    with pytest.raises(EngineError, match="does not cover"):
+        runner.infer({"x": torch.randn(5, 8)})
+
+
 def test_a_shape_whose_capture_fails_runs_without_a_graph_and_is_not_tried_again():
     module = _Plain()
     book = GraphBook(FailingGraph)

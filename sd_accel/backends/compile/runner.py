@@ -71,11 +71,13 @@ class CompiledRunner:
         return live
 
     def _first_eager(self, live: Attached, args: list[torch.Tensor]) -> None:
-        """One eager call before the first compile: libraries set modules up lazily on their first
-        call (transformers installs its output-capturing hooks under a threading lock, which Dynamo
-        cannot enter: a graph break in every text encoder otherwise)."""
-        with torch.no_grad():
-            live.export(*args)
+        """Compile, after one eager call where a library sets its modules up lazily on their first
+        call: transformers installs its output-capturing hooks under a threading lock, which Dynamo
+        cannot enter (a graph break in every text encoder otherwise). Only there: an eager call of
+        SD 1.5's UNet costs seconds on a CPU."""
+        if any(type(m).__module__.startswith("transformers.") for m in live.module.modules()):
+            with torch.no_grad():
+                live.export(*args)
         self._compiled = self._compile(live)
 
     def _compile(self, live: Attached):
