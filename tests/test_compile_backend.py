@@ -126,6 +126,8 @@ def test_calls_are_served_counted_and_a_shape_outside_the_profile_falls_back_wit
     pipe("a cat", num_inference_steps=2, height=64, width=64, output_type="pt")
     unet = stats(pipe)["unet"]
     assert unet["engine_calls"] >= 2 and unet["torch_calls"] == 0  # (PNDM: one more call than steps)
+    (compiled,) = unet["compiled"].values()  # the runner's own counters
+    assert compiled["calls"] >= unet["engine_calls"] and compiled["refused"] == {}
     pipe("a cat", num_inference_steps=1, height=72, width=72, output_type="pt")
     unet = stats(pipe)["unet"]
     assert unet["torch_calls"] == 1 and any("no engine covers" in r for r in unet["fallbacks"])

@@ -148,7 +148,14 @@ class EngineModule(ProxyModule):
         return self.torch_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def component_stats(self) -> dict[str, Any]:
-        return {name: e.stats.to_dict() for name, e in self.engines.items()}
+        out = {name: e.stats.to_dict() for name, e in self.engines.items()}
+        for name, e in self.engines.items():
+            # runners that count more than calls (the compiled backend: compiles, CUDA-graph captures
+            # and replays, refusals by kind), under "compiled", by engine
+            more = {h.name: h.runner.stats() for h in e.handles if callable(getattr(h.runner, "stats", None))}
+            if more:
+                out[name]["compiled"] = more
+        return out
 
     def torch_fallback(self) -> torch.nn.Module:
         """The torch module, for a call the engines did not serve. Said once per module when its
