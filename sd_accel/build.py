@@ -228,7 +228,7 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
     from sd_accel.onnx.fingerprint import fingerprint
 
     spec, profile, precision, record_extra = job.spec, job.profile, job.precision, job.record_extra
-    model = job.model_id or fingerprint(spec.torch_module())
+    model = job.model_id or be.model_id(spec.torch_module()) or fingerprint(spec.torch_module())
     key = EngineKey(model, spec.name, be.name, info.version, info.arch, precision, profile.tag)
     existing = cache.get(key)
     if existing is not None and existing.status == "ok":
@@ -239,6 +239,12 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
             tick(1.0, "built by another process")
             return cache.get(key)
         start = time.perf_counter()
+        if be.takes_torch_module:  # (the compiled backend): no ONNX export, no weights paged out
+            files, result = _build_module_and_check(be, spec, model, profile, precision, slot.dir, tick, validate_it)
+            record = slot.commit(files, spec.shape_ranges(profile), time.perf_counter() - start,
+                                 result.to_dict() if result else None, record_extra(None) if record_extra else {})
+            tick(1.0, "done")
+            return record
         tick(0.0, "exporting ONNX")
         artifact = ensure_onnx_artifact(spec, cache.root, progress=lambda f, m: tick(0.4 * f, m))
         shapes = spec.shape_ranges(profile)
@@ -295,6 +301,28 @@ def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: st
                                memo=memo)
     finally:
         runner.close()
+
+
+def _build_module_and_check(be, spec, model: str, profile: Profile, precision: str, out_dir: Path, tick: Progress,
+                            validate_it: bool):
+    """A backend that builds from the torch module (``takes_torch_module``): its build into
+    ``out_dir`` and, when asked, its check against torch; a failed check raises, as for any engine."""
+    from sd_accel.validate import validate
+
+    shapes = spec.shape_ranges(profile)
+    files = be.build_module(spec, model, shapes, precision, out_dir, lambda f, m: tick(0.8 * f, m))
+    if not validate_it:
+        return files, None
+    tick(0.85, "validating against torch")
+    runner = be.load(out_dir, files, shapes)
+    try:
+        result = validate(spec, runner, profile, precision, device=be.torch_device)
+    finally:
+        runner.close()
+    if not result.ok:
+        raise ValidationFailed(f"{be.name} engine of {spec.name} ({profile.tag}, {precision}) failed validation: "
+                               f"{result.why}. It was not kept; try precision='fp32' or another backend.")
+    return files, result
 
 
 def int8_scopes(be, precision: str, validate_it: bool) -> tuple[str | None, ...]:

@@ -284,6 +284,8 @@ def _refit_module(wrapper, specs: dict, progress, validate: bool) -> list[tuple[
         for handle in engines.handles:
             if handle.broken not in (None, REFIT_CLOSED):
                 continue
+            if getattr(handle.backend, "reads_live_weights", False):
+                continue  # (the compiled backend) it runs the torch weights as they are: nothing to refit
             tick, close = _bar(progress, handle.name)
             try:
                 new.append((handle, refit_engine(handle, weights, specs[component], tick, validate)))

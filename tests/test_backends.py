@@ -15,7 +15,8 @@ from sd_accel.core import DeviceError, InvalidValue
 @pytest.mark.parametrize("entry", registry.TABLE, ids=lambda e: e.name)
 def test_every_entry_keeps_the_contract(entry):
     backend = registry.create(entry.name)
-    assert backend.name == entry.name and backend.torch_device == entry.torch_device
+    # (the compiled backend runs where torch runs the pipeline: its entry says what it is for, CUDA)
+    assert backend.name == entry.name and (backend.torch_device == entry.torch_device or entry.live_modules)
     info = backend.info()
     assert info.name == entry.name
     if info.usable:
@@ -43,7 +44,7 @@ def test_the_contract_is_declared_and_the_precisions_come_from_the_table(entry):
 
 
 def test_names_and_errors():
-    assert registry.choices()[0] == "auto" and set(registry.names()) == {"tensorrt", "openvino", "onnxruntime"}
+    assert registry.choices()[0] == "auto" and set(registry.names()) == {"tensorrt", "compile", "openvino", "onnxruntime"}
     with pytest.raises(InvalidValue, match="allowed: auto, tensorrt"):
         registry.get_backend("onnx")
     with pytest.raises(InvalidValue, match="AccelConfig.backend='onnx'"):
@@ -57,8 +58,9 @@ def test_names_and_errors():
 
 def test_auto_is_openvino_on_cpus_and_never_on_cuda(monkeypatch):
     assert registry.auto_order("cpu") == registry.auto_order("mps") == ("openvino", "onnxruntime")
-    # OpenVINO engines run on the CPU: a GPU without TensorRT keeps ONNX Runtime (CUDA provider)
-    assert registry.auto_order("cuda:1") == ("tensorrt", "onnxruntime")
+    # OpenVINO engines run on the CPU: a GPU without TensorRT takes the compiled PyTorch backend
+    # (tests/test_compile_backend.py), then ONNX Runtime (CUDA provider)
+    assert registry.auto_order("cuda:1") == ("tensorrt", "compile", "onnxruntime")
     if not torch.cuda.is_available():
         assert registry.auto_order() == registry.auto_order("cpu")
     if registry.create("openvino").info().usable:  # a regular dependency where it has wheels
@@ -80,7 +82,7 @@ def test_a_precision_a_backend_cannot_build_says_what_it_needs(monkeypatch, tiny
 
     ort = registry.create("onnxruntime")
     registry.check_precision(ort, "fp32")  # builds it: no error
-    with pytest.raises(InvalidValue, match="fp16 engines come from the tensorrt backend"):
+    with pytest.raises(InvalidValue, match="fp16 engines come from the tensorrt or compile backend"):
         registry.check_precision(ort, "fp16")
     with pytest.raises(InvalidValue, match="int8-dynamic engines come from the onnxruntime backend"):
         registry.check_precision(registry.create("openvino"), "int8-dynamic")

@@ -91,7 +91,7 @@ def test_unusable_backend_or_precision_is_said_in_the_node(tmp_path, monkeypatch
     with pytest.raises(SdAccelError, match="precision='bf16': the onnxruntime backend builds fp32"):
         build(model, vae=vae, **{**BUILD, "precision": "bf16"})
 
-    def unusable(name="auto", cache_root=None, device=None):  # the registry's answer where TensorRT is missing
+    def unusable(name="auto", cache_root=None, device=None, live_modules=True):  # the registry's answer where TensorRT is missing
         raise DeviceError(f"backend={name!r} cannot run here: TensorRT is not installed")
 
     monkeypatch.setattr(registry, "get_backend", unusable)

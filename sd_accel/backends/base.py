@@ -53,6 +53,12 @@ class Backend:
     # Whether :meth:`patch_weights` can write new weights into a copy of an engine (a LoRA refit
     # without a build); False: a refit always rebuilds from the exported graph.
     patches_weights: bool = False
+    # Whether it builds from the component's torch module (:meth:`build_module`) instead of an ONNX
+    # export (:meth:`build`): build.py then exports nothing for it.
+    takes_torch_module: bool = False
+    # Whether its runners read the pipeline's live torch weights on every call (a compiled module):
+    # a weight change then needs no refit and is never stale, and the weights stay where they are.
+    reads_live_weights: bool = False
 
     def info(self) -> BackendInfo:
         raise NotImplementedError
@@ -88,6 +94,20 @@ class Backend:
         raise NotImplementedError
 
     def load(self, engine_dir: Path, files: list[str], shapes: ShapeRanges) -> Runner:
+        raise NotImplementedError
+
+    def model_id(self, module: torch.nn.Module) -> str | None:
+        """The model field of its engine keys for ``module``; None: the weights' fingerprint (an
+        engine holds the weights). A backend whose engines read live weights keys by architecture."""
+        return None
+
+    def attach(self, model: str, spec: object) -> None:
+        """Hand the live module of ``spec`` (engines keyed by ``model``) to runners that read it
+        (:attr:`reads_live_weights`); the runtime calls it while the pipeline holds its torch modules."""
+
+    def build_module(self, spec: object, model: str, shapes: ShapeRanges, precision: str, out_dir: Path,
+                     progress: Progress) -> list[str]:
+        """Engine files built from ``spec``'s torch module (:attr:`takes_torch_module`)."""
         raise NotImplementedError
 
     def patch_weights(self, engine_dir: Path, files: list[str], value: Callable[[str], object],

@@ -5,15 +5,15 @@ returning an object that keeps the contract in ``base.py``, plus one entry below
 module is cheap: a backend's folder (and its library) is imported only when it is used.
 
 ``auto`` is the fastest usable backend for the device: on an NVIDIA GPU TensorRT where it imports,
-else ONNX Runtime; on a CPU OpenVINO (a regular dependency where its wheels exist: bf16 on CPUs
+else the compiled PyTorch backend (torch.compile + CUDA graphs), else ONNX Runtime; on a CPU OpenVINO (a regular dependency where its wheels exist: bf16 on CPUs
 with AVX512-BF16 or AMX, fp32 elsewhere; int8 only when asked), else ONNX Runtime.
 
 >>> [entry.name for entry in TABLE]
-['tensorrt', 'openvino', 'onnxruntime']
+['tensorrt', 'compile', 'openvino', 'onnxruntime']
 >>> entry("openvino").torch_device
 'cpu'
 >>> auto_order("cpu"), auto_order("cuda")
-(('openvino', 'onnxruntime'), ('tensorrt', 'onnxruntime'))
+(('openvino', 'onnxruntime'), ('tensorrt', 'compile', 'onnxruntime'))
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ class BackendEntry:
     builds: tuple[str, ...] = ()
     title: str = ""  # its name as a face prints it (default: ``name``)
     pitch: str = ""  # why a user would want it, for a face that says it is not installed
+    # Its runners run the pipeline's live torch modules, handed over when engines are swapped into a
+    # diffusers pipeline (Backend.attach): the WebUI and ComfyUI run their own UNet, so their ``auto``
+    # leaves it out (``auto_order(..., live_modules=False)``).
+    live_modules: bool = False
 
     @property
     def display(self) -> str:
@@ -51,6 +55,12 @@ TABLE: tuple[BackendEntry, ...] = (
     BackendEntry("tensorrt", "sd_accel.backends.tensorrt", "cuda", "NVIDIA GPUs",
                  "pip install 'sd-accel[tensorrt]' with a CUDA build of torch (see README, GPU)",
                  builds=("fp16", "fp32"), title="TensorRT"),
+    BackendEntry("compile", "sd_accel.backends.compile", "cuda",
+                 "NVIDIA GPUs without TensorRT (torch.compile + CUDA graphs); CPUs opt-in",
+                 "a CUDA build of torch with Triton (Linux); on a CPU, a C++ compiler (g++)",
+                 builds=("fp16", "bf16", "fp32"), title="torch.compile",
+                 pitch="the fastest path on an NVIDIA GPU without TensorRT; LoRA changes need no rebuild",
+                 live_modules=True),
     BackendEntry("openvino", "sd_accel.backends.openvino", "cpu", "CPUs (bf16 with AVX512-BF16 or AMX, int8 with NNCF)",
                  "pip install openvino (installed with sd-accel where OpenVINO has wheels: Linux x86_64 "
                  "and aarch64, Windows x86_64, macOS arm64)",
@@ -60,10 +70,12 @@ TABLE: tuple[BackendEntry, ...] = (
                  "pip install onnxruntime", builds=("fp32", "int8", "int8-dynamic"), title="ONNX Runtime"),
 )
 # ``auto`` takes the first of these that is usable here, by device kind: OpenVINO is the fastest
-# CPU backend measured (scripts/BENCHMARKS.md), and its engines run on the CPU only, so a machine
-# with CUDA but no TensorRT keeps ONNX Runtime (its CUDA provider when present).
+# CPU backend measured (scripts/BENCHMARKS.md; Inductor against it on the same UNet:
+# scripts/BENCHMARKS-compile.md, so ``compile`` is opt-in on CPUs), and its engines run on the CPU
+# only, so a machine with CUDA but no TensorRT takes the compiled PyTorch backend (Triton comes
+# with CUDA builds of torch), then ONNX Runtime (its CUDA provider when present).
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("tensorrt", "onnxruntime"),
+    "cuda": ("tensorrt", "compile", "onnxruntime"),
     "cpu": ("openvino", "onnxruntime"),
 }
 
@@ -104,24 +116,32 @@ def create(name: str, cache_root: Path | None = None):
     return importlib.import_module(entry(name).module).create(cache_root)
 
 
-def auto_order(device: str | None = None) -> tuple[str, ...]:
+def auto_order(device: str | None = None, live_modules: bool = True) -> tuple[str, ...]:
     """The backends ``auto`` tries, in order, for ``device`` (``cuda``, ``cuda:1``, ``cpu``, ``mps``;
     default: CUDA when torch sees a GPU, else the CPU). Every non-CUDA device takes the CPU order:
-    the CPU backends' engines run on the CPU whatever torch runs on."""
+    the CPU backends' engines run on the CPU whatever torch runs on. ``live_modules=False``: without
+    the backends that run the pipeline's own torch modules (a host that runs its own UNet).
+
+    >>> auto_order("cuda", live_modules=False)
+    ('tensorrt', 'onnxruntime')
+    """
     if device is None:
         import torch  # here, not at import: the registry stays cheap to import
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return AUTO_ORDER["cuda" if str(device).startswith("cuda") else "cpu"]
+    order = AUTO_ORDER["cuda" if str(device).startswith("cuda") else "cpu"]
+    return order if live_modules else tuple(n for n in order if not entry(n).live_modules)
 
 
-def get_backend(name: str = "auto", cache_root: Path | None = None, device: str | None = None):
-    """A usable backend: ``name``, or for ``auto`` the first usable one of :func:`auto_order`.
+def get_backend(name: str = "auto", cache_root: Path | None = None, device: str | None = None,
+                live_modules: bool = True):
+    """A usable backend: ``name``, or for ``auto`` the first usable one of :func:`auto_order`
+    (``live_modules``: see there).
 
     A named backend that cannot run here raises ``DeviceError`` saying why and how to get it.
     """
     if name == "auto":
-        order = auto_order(device)
+        order = auto_order(device, live_modules)
         for candidate in order:
             backend = create(candidate, cache_root)
             if backend.info().usable:

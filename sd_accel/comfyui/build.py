@@ -182,7 +182,7 @@ def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile
     profile = profile or PRESETS["static-512"]
     try:
         device = "cpu" if backend in ("auto", "", None) and host.runs_on_cpu() else None
-        be = get_backend(backend or "auto", cache_root=st.engine_dir(), device=device)
+        be = get_backend(backend or "auto", cache_root=st.engine_dir(), device=device, live_modules=False)
     except Exception as exc:  # noqa: BLE001  (say it in the node, with the registry's reason)
         raise InvalidValue(f"backend {backend!r} cannot run here: {exc}") from exc
     precision = be.default_precision() if precision in (None, "", "auto") else precision

@@ -82,7 +82,9 @@ class State:
         with self._lock:
             if name not in self._backends:
                 device = "cpu" if name == "auto" and host.runs_on_cpu() else None
-                self._backends[name] = get_backend(name, cache_root=self.engine_dir(), device=device)
+                # (the compiled backend runs a diffusers pipeline's own modules: not ComfyUI's model)
+                self._backends[name] = get_backend(name, cache_root=self.engine_dir(), device=device,
+                                                   live_modules=False)
             return self._backends[name]
 
     def backends_here(self) -> list:
@@ -92,7 +94,7 @@ class State:
         first = self.backend()
         out = [first]
         if self.backend_name() == "auto":
-            for name in auto_order("cpu" if host.runs_on_cpu() else None):
+            for name in auto_order("cpu" if host.runs_on_cpu() else None, live_modules=False):
                 if name != first.name:
                     try:
                         out.append(self.backend(name))

@@ -100,6 +100,8 @@ class EngineModule(ProxyModule):
         """Why the engines no longer fit the torch weights (a fallback reason), or None. Cheap:
         runs on every call."""
         d = self.__dict__
+        if self._reads_live_weights():
+            return None  # its runners read the torch weights as they are on each call: never stale
         full = d["_touched"]
         what = d["_values_changed"] or d["_weights"].changed(full=full)
         if full and what in (None, VALUES):
@@ -114,6 +116,11 @@ class EngineModule(ProxyModule):
         if what is not None and self._refit_now():
             what = d["_weights"].changed(full=True)
         return None if what is None else f"{STALE} ({what}): {_WHAT_TO_DO}"
+
+    def _reads_live_weights(self) -> bool:
+        """Whether every engine of this module reads the live torch weights (the compiled backend)."""
+        handles = [h for e in self.engines.values() for h in e.handles]
+        return bool(handles) and all(getattr(h.backend, "reads_live_weights", False) for h in handles)
 
     def _refit_now(self) -> bool:
         """``refit_engines(pipe, auto=True)``: refit (or take a kept refit) for the weights as they are."""
@@ -141,7 +148,14 @@ class EngineModule(ProxyModule):
         return self.torch_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def component_stats(self) -> dict[str, Any]:
-        return {name: e.stats.to_dict() for name, e in self.engines.items()}
+        out = {name: e.stats.to_dict() for name, e in self.engines.items()}
+        for name, e in self.engines.items():
+            # runners that count more than calls (the compiled backend: compiles, CUDA-graph captures
+            # and replays, refusals by kind), under "compiled", by engine
+            more = {h.name: h.runner.stats() for h in e.handles if callable(getattr(h.runner, "stats", None))}
+            if more:
+                out[name]["compiled"] = more
+        return out
 
     def torch_fallback(self) -> torch.nn.Module:
         """The torch module, for a call the engines did not serve. Said once per module when its

@@ -90,6 +90,10 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
     if builder is not None:
         builder.on_built = lambda component: _after_build(pipe, component, cache, park_weights)
     found: dict[str, int] = {}
+    # A backend whose runners read the live torch weights (torch.compile): nothing to fingerprint,
+    # and the weights stay in place (parked weights would be paged in on every call).
+    live = bool(getattr(backend, "reads_live_weights", False))
+    park_weights = park_weights and not live
     for slot, components in SLOTS.items():
         module = getattr(pipe, slot, None)
         if module is None:
@@ -98,8 +102,12 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         for component in (*components, CONTROL_UNET, ADAPTER_UNET) if slot == "unet" else components:
             if component not in specs or (component in PIPELINE_ATTRIBUTES and specs[component].attribute != slot):
                 continue  # (SD3's t5 is text_encoder_3, not text_encoder_2)
-            # Hashing reads every weight: hand back the pages of memory-mapped ones as it goes.
-            model = fingerprint(specs[component].torch_module(), each=PageDropper() if park_weights else None)
+            torch_module = specs[component].torch_module()
+            if live:  # (the compiled backend) keyed by architecture; its runners get the live module
+                model = backend.model_id(torch_module)
+                backend.attach(model, specs[component])
+            else:  # Hashing reads every weight: hand back the pages of memory-mapped ones as it goes.
+                model = fingerprint(torch_module, each=PageDropper() if park_weights else None)
             engines[component] = engines_for(cache, backend, model, component, fallback=fallback,
                                              prefer_precision=prefer_precision)
             engines[component].builder = builder
@@ -156,6 +164,11 @@ def _swap_controlnets(pipe, control: dict, cache, backend, fallback: bool, prefe
         if spec.name != CONTROLNET:
             continue
         net = spec.torch_module()
+        if getattr(backend, "reads_live_weights", False):
+            # (the compiled backend) its engines are keyed by architecture, and a pipeline's ControlNets
+            # often share one: their runners could not tell which live module is theirs. They run torch.
+            log.info("%s: the %s backend does not serve ControlNets yet; it runs in torch", key, backend.name)
+            continue
         model = fingerprint(net, each=PageDropper() if park_weights else None)
         engines = engines_for(cache, backend, model, CONTROLNET, fallback=fallback, prefer_precision=prefer_precision)
         engines.builder = builder

@@ -39,7 +39,8 @@ def webui_backend(name: str, cache_root=None):
     from sd_accel.backends.registry import get_backend
 
     device = "cpu" if name in (None, "", "auto") and host.runs_on_cpu() else None
-    return get_backend(name or "auto", cache_root=cache_root, device=device)
+    # (the compiled backend runs a diffusers pipeline's own modules: not the WebUI's UNet)
+    return get_backend(name or "auto", cache_root=cache_root, device=device, live_modules=False)
 
 
 AUTO_PRESET = "auto (by model family)"
@@ -198,7 +199,7 @@ class Controller:
 
         cache = self.cache()
         out = []
-        for name in auto_order("cpu" if host.runs_on_cpu() else None):
+        for name in auto_order("cpu" if host.runs_on_cpu() else None, live_modules=False):
             if name == first.name:
                 continue
             key = (name, str(cache.root))
