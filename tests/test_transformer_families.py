@@ -281,3 +281,19 @@ def test_inpaint_pipelines_run_on_the_engines(ort_engines, name):
     s = stats(pipe)
     assert s["transformer"]["torch_calls"] == 0 and s["transformer"]["engine_calls"] > 0
     assert s["vae_encoder"]["engine_calls"] >= 1
+
+
+@pytest.mark.slow
+def test_flux_transformer_on_the_compiled_backend(tmp_path):
+    """The compiled PyTorch backend (Inductor on this CPU) takes the transformer families' spec too."""
+    name = "builtin:tiny-flux"
+    (record,) = build_engines(load_pipeline(name), profiles=[Profile(batch=1, height=64, width=64, text=32)],
+                              backend="compile", precision="fp32", components=["transformer"], engine_dir=tmp_path,
+                              progress=False)
+    assert record.validation["ok"] and record.validation["rel_l2"] < 1e-4 and record.key.backend == "compile"
+    ref = torch_image(name, max_sequence_length=32)
+    pipe = engine_pipe(name, tmp_path, "compile")
+    out = generate(pipe, max_sequence_length=32)
+    assert np.abs(out - ref).max() < 2e-3
+    s = stats(pipe)["transformer"]
+    assert s["engine_calls"] == 3 and s["torch_calls"] == 0, s
