@@ -286,3 +286,25 @@ def test_controlnet_unit_in_browser(app, page, tmp_path_factory):
     expect(report).to_contain_text("it/s")
     expect(page.locator("#sd-accel-gallery img").first).to_be_visible()
     _shot(page, "ui-generate-controlnet.png")
+
+
+def test_flux_model_takes_its_family_defaults_and_generates_in_browser(app, page):
+    """Typing a FLUX.1 model sets its own steps, guidance, size and sampler (its flow-matching
+    scheduler); it then generates, its transformer's calls counted in the report."""
+    from playwright.sync_api import expect
+
+    _tab(page, "Generate")
+    model = page.locator("#sd-accel-model textarea, #sd-accel-model input").first
+    model.fill("builtin:tiny-flux")
+    # (the first answer imports the library in the app process: seconds)
+    expect(page.locator("#sd-accel-steps input[type=number]")).to_have_value("4", timeout=BUILD_TIMEOUT_MS)
+    expect(page.locator("#sd-accel-width input[type=number]")).to_have_value("1024")
+    expect(page.locator("#sd-accel-cfg input[type=number]")).to_have_value("0")
+    _small_torch_run(page)  # 64 px, 2 steps, engines off: quick
+    report = page.locator("#sd-accel-report").first
+    page.locator("#sd-accel-generate").click()
+    expect(report).to_contain_text("2 steps, 2 UNet calls", timeout=BUILD_TIMEOUT_MS)  # (the transformer's)
+    expect(page.locator("#sd-accel-gallery img").first).to_be_visible()
+    _shot(page, "ui-generate-flux.png")
+    model.fill("builtin:tiny-sd15")
+    expect(page.locator("#sd-accel-steps input[type=number]")).to_have_value("20", timeout=STEP_TIMEOUT_MS)

@@ -195,7 +195,25 @@ def _generate_tab(state: PanelState, model: gr.Textbox, tiny_vae: gr.Textbox) ->
     inputs = [model, prompt, negative, sampler, steps, cfg, width, height, batch, seed, attention, precision,
               offload, use_engines, tiny_vae, preview, *units]
     button.click(on_generate, inputs, [gallery, report], **_event_kwargs(button.click, heavy=True))
+    # (on each edit: cheap once sd_accel.api is imported; a name half typed changes nothing)
+    model.change(model_defaults, [model], [steps, cfg, width, height, sampler], **_event_kwargs(model.change, heavy=False))
     return precision
+
+
+def model_defaults(model_text: str | None) -> tuple:
+    """Updates for the Steps, CFG, Width, Height and Sampler widgets when the model changes: its
+    family's own (SD3.5 and FLUX.1: 1024 px and their steps and guidance; their flow-matching
+    sampler is the model's own). No change where the family cannot be told without loading."""
+    from sd_accel.api import generation_defaults, model_family
+
+    family = model_family((model_text or "").strip() or DEFAULT_MODEL)
+    if family is None:
+        return (gr.update(),) * 5
+    values = generation_defaults(family)
+    side = PRESETS[default_preset(family)].height[0]
+    flow = family.startswith(("sd3", "flux"))
+    return (gr.update(value=values["steps"]), gr.update(value=values["cfg"]), gr.update(value=side),
+            gr.update(value=side), gr.update(value=DEFAULT_SAMPLER_LABEL) if flow else gr.update())
 
 
 CONTROL_UNITS = 2  # units shown in the Generate tab; more nets: the CLI, the API, the service
