@@ -104,7 +104,7 @@ def sd3():
 
 
 def test_sd3_file_with_its_text_encoders_inside(tmp_path, sd3):
-    path = tmp_path / "sd3.5_medium_incl_clips_t5xxlfp8scaled.safetensors"
+    path = tmp_path / "sd3.5_medium_incl_clips.safetensors"
     layout.save(layout.sd3_state_dict(sd3, with_text_encoders=True), path)
     pipe = load_pipeline(path)
     assert type(pipe).__name__ == "StableDiffusion3Pipeline" and pipe.sd_accel_model.family == "sd3"
