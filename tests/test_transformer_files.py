@@ -128,3 +128,12 @@ def test_sd3_file_with_separate_clip_l_clip_g_and_t5(tmp_path, sd3):
     _same(sd3.transformer, pipe.transformer)
     _same(sd3.text_encoder_2, pipe.text_encoder_2)
     _same(sd3.text_encoder, pipe.text_encoder, atol=1e-3)  # stored in fp16
+
+
+def test_scaled_fp8_encoder_is_refused_by_name(tmp_path, sd3):
+    state = layout.sd3_state_dict(sd3, with_text_encoders=True)
+    state["text_encoders.t5xxl.transformer.scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    path = tmp_path / "sd3.5_medium_incl_clips_t5xxlfp8scaled.safetensors"
+    layout.save(state, path)
+    with pytest.raises(CheckpointError, match="scaled fp8.*t5xxl_fp16"):
+        load_pipeline(path)

@@ -99,6 +99,11 @@ def fill(model: torch.nn.Module, path: Path, prefix: str = "", rename=None) -> t
     own = model.state_dict()
     missing = set(own)
     with safe_open(str(path), framework="pt") as f, torch.no_grad():
+        if any(k.startswith(prefix) and (k.endswith(".scale_weight") or k == prefix + "scaled_fp8") for k in f.keys()):
+            # (each fp8 weight times its scale: read plainly it would give a wrong model, silently)
+            raise CheckpointError(f"{path.name} holds a 'scaled fp8' encoder (weights with scale_weight tensors), "
+                                  "which sd-accel does not read yet: use the fp16 or plain fp8_e4m3fn file "
+                                  "(t5xxl_fp16.safetensors, t5xxl_fp8_e4m3fn.safetensors)")
         for key in f.keys():
             if not key.startswith(prefix):
                 continue
