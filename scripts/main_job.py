@@ -26,7 +26,9 @@ import time
 AUTO_ENGINES = False
 
 BUILTIN_SIZE = "256x256"  # the built-in tiny model: see docs/install.md ("The main job") for the figures
-COMPONENTS = "clip,unet,vae_decoder"  # what txt2img runs (the VAE encoder only serves img2img)
+# what txt2img runs (the VAE encoder only serves img2img): the text encoders and denoiser the model
+# has (CLIP, SDXL's second, SD3's / FLUX's T5; the UNet or SD3's / FLUX's transformer)
+COMPONENTS = "text,denoiser,vae_decoder"
 # --few-step: the recipe's `sd-accel generate` options, each unless the command line gives it
 FEW_STEP = {"--model": "builtin:tiny-sd15-lcm", "--sampler": "LCM", "--steps": "4", "--cfg": "1",
             "--tiny-vae": "builtin:taesd"}
@@ -79,7 +81,7 @@ def _build_args(args, engine_args: list[str]) -> list[str]:
     """``sd-accel build`` for the run: a static profile of its size and batch (the model's own
     preset when no size is given), the components txt2img runs."""
     out = ["build", "--model", args.model, "--components", COMPONENTS, "--backend", args.backend, *engine_args]
-    if args.cfg <= 1:  # CFG 1 (the few-step recipe): one UNet row per image, so a static engine of that
+    if args.cfg is not None and args.cfg <= 1:  # CFG 1 (the few-step recipe): one UNet row per image, so a static engine of that
         out.append("--no-cfg")
     if args.tiny_vae:  # the decoder engine is the tiny autoencoder's
         out += ["--tiny-vae", args.tiny_vae]

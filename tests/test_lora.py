@@ -550,8 +550,8 @@ def test_validation_of_one_item_at_opt_runs_the_full_batch_and_compares_the_firs
 
     computed = []
     real = validation.reference
-    monkeypatch.setattr(validation, "reference", lambda module, feed, items=None, start=0: computed.append(
-        (items, start)) or real(module, feed, items, start))
+    monkeypatch.setattr(validation, "reference", lambda module, feed, items=None, start=0, **kw: computed.append(
+        (items, start)) or real(module, feed, items, start, **kw))
     validate = validation.validate
     spec = specs_for(load_pipeline("builtin:tiny-sd15"))["unet"]
     profile = Profile(batch=(1, 1, 2), height=(64, 64, 96), width=(64, 64, 96))
