@@ -39,4 +39,4 @@ def test_the_cli_prints_json_and_refuses_what_a_backend_cannot_build(tmp_path, c
                  "--engine-dir", str(tmp_path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["row"] for r in rows] == ["torch", "onnxruntime"]
-    assert "bf16 engines come from the openvino backend" in rows[1]["skipped"]  # registry.check_precision's words
+    assert "bf16 engines come from the compile or openvino backend" in rows[1]["skipped"]  # registry.check_precision's words
