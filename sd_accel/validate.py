@@ -54,6 +54,14 @@ IMAGE_PSNR = {"int8": 45.0, "int8-dynamic": 45.0}
 # optimum-intel's hybrid int8 34.6-40.3 dB (what CPU users run as int8), bf16 48 dB. Below 35 dB
 # the build tries the next int8 scope, then refuses int8 (build bf16).
 UNET_IMAGE_PSNR = {"int8": 35.0, "int8-dynamic": 35.0}
+# A float (bf16 / fp16) denoiser that misses its per-call tolerance by a little is judged by the
+# picture instead: per call, random-weight UNets sit at the edge of bf16's gate (the LCM SD 1.5
+# UNet at 5.26e-2 against 5e-2 on both CPU kinds measured, so the few-step recipe ran its UNet in
+# torch), while the picture of bf16's rounding is 47-55 dB from fp32's. 40 dB keeps a margin
+# below that and above what a wrong engine makes (the tiny LCM UNet with its sign flipped at the
+# last steps' noise levels: 34.5 dB). Past the ceiling no picture is tried: that is not rounding.
+FLOAT_IMAGE_PSNR = {"bf16": 40.0, "fp16": 40.0}
+FLOAT_PICTURE_CEILING = {"bf16": 0.1, "fp16": 0.06}
 # A component whose outputs only feed another one (a ControlNet's residuals feed the UNet) and
 # misses the tolerance on those outputs is judged again by what it does to its consumer's output:
 # the consumer in torch fp32 fed the engine's outputs vs fed torch's, against the same tolerance.
@@ -269,6 +277,29 @@ def available_bytes() -> int | None:
     return None
 
 
+def _judged_by_picture(spec, precision: str, rel: float) -> bool:
+    """Whether a float denoiser's per-call miss of ``rel`` is left to its picture to judge."""
+    ceiling = FLOAT_PICTURE_CEILING.get(precision)
+    return ceiling is not None and spec.name in ("unet", "transformer") and rel <= ceiling \
+        and callable(getattr(spec, "pipe", None))
+
+
+def _float_picture(spec, runner, profile: Profile, precision: str, misses: list[str],
+                   memo: dict | None) -> tuple[float | None, str]:
+    """(picture PSNR, why refused or "") for a float denoiser that missed its per-call tolerance:
+    the calibration prompt's picture made on ``runner`` against torch's (:func:`unet_image_psnr`)."""
+    gate = FLOAT_IMAGE_PSNR[precision]
+    psnr = unet_image_psnr(spec, runner, profile, memo)
+    if psnr is None:  # (a ControlNet pipeline's UNet: its picture needs the net's residuals)
+        return None, "; ".join(misses) + " (no picture to judge it by in this pipeline)"
+    if psnr < gate:
+        return psnr, (f"{'; '.join(misses)}, and the picture its pipeline makes on it is {psnr:.1f} dB from "
+                      f"torch's (last calibration prompt), below {gate:.0f} dB for {precision}")
+    log.info("validation of %s: %s, but the picture its pipeline makes on it is %.1f dB from torch's "
+             "(at least %.0f dB for %s): accepted", spec.name, "; ".join(misses), psnr, gate, precision)
+    return psnr, ""
+
+
 def _elements(spec, dims: dict[str, int]) -> int:
     return sum(math.prod(shape) for shape in spec.shapes(dims).values())
 
@@ -318,7 +349,10 @@ def validate(
 
     An int8 UNet checked on captured ``feeds`` that passes is also judged by the picture its
     pipeline makes (:func:`unet_image_psnr`, :data:`UNET_IMAGE_PSNR`); ``memo`` keeps the torch
-    picture for the next scope's check."""
+    picture for the next scope's check. A bf16 / fp16 UNet or transformer of a diffusers pipeline
+    that misses its per-call tolerance, but by no more than :data:`FLOAT_PICTURE_CEILING`, is
+    judged by that picture instead (:data:`FLOAT_IMAGE_PSNR`): accepted when the picture is close
+    to torch's, refused (both reasons given) when it is not."""
     if items is not None and items < 1:
         raise ValueError(f"items must be at least 1 (or None: every batch item), not {items}")
     worst_abs, worst_rel = 0.0, 0.0
@@ -339,6 +373,7 @@ def validate(
     opt_growth: int | None = None
     worst_psnr: float | None = None
     worst_consumer: float | None = None
+    by_picture: list[str] = []  # per-call misses a float denoiser's picture decides (FLOAT_IMAGE_PSNR)
     psnr_gate = IMAGE_PSNR.get(precision) if "images" in names else None
     seeds = {label: i for i, label in enumerate(_points(spec, profile))}
     module = spec.torch_module()
@@ -395,7 +430,11 @@ def validate(
                          "base engine %s)", spec.name, label, len(per_item), [f"{x:.2e}" for x in per_item], tol,
                          base or "not recorded")
             if not within and downstream is None:
-                refused.append(f"relative error {err_rel:.2e} at {label} exceeds {tol:.0e} for {precision}")
+                miss = f"relative error {err_rel:.2e} at {label} exceeds {tol:.0e} for {precision}"
+                if items is None and feeds is None and _judged_by_picture(spec, precision, err_rel):
+                    by_picture.append(miss)
+                else:
+                    refused.append(miss)
             if "images" in names:
                 r = ref[names.index("images")]
                 psnr = image_psnr(got["images"][: r.shape[0]], r)
@@ -404,6 +443,12 @@ def validate(
                     refused.append(f"image PSNR {psnr:.1f} dB at {label} is below {psnr_gate:.0f} dB for {precision}")
             worst_abs, worst_rel = max(worst_abs, err_abs), max(worst_rel, err_rel)
             del got, ref, feed
+    if by_picture and not refused:
+        worst_psnr, why = _float_picture(spec, runner, profile, precision, by_picture, memo)
+        if why:
+            refused.append(why)
+    elif by_picture:
+        refused.extend(by_picture)
     unet_gate = UNET_IMAGE_PSNR.get(precision) if feeds is not None and items is None else None
     if unet_gate is not None and not refused:
         psnr = unet_image_psnr(spec, runner, profile, memo)
