@@ -98,6 +98,13 @@ def test_size_outside_every_profile_falls_back_and_is_counted(built, caplog):
     assert s["unet"]["engine_calls"] == 0 and s["unet"]["torch_calls"] == 3
     (reason,) = s["unet"]["fallbacks"]
     assert "no engine covers" in reason and "(2, 4, 20, 20)" in reason
+    # told in pixels and images (CFG's two rows are one image), with the sizes the engines cover
+    # and what to build (issue 46)
+    assert reason.startswith("no engine covers 160x160 px, batch 1 (sample=(2, 4, 20, 20), "), reason
+    assert "the engines cover " in reason and "; 64x64 px, batch 1" in reason
+    assert "64-136 x 64-136 px, batch 1-2, 77-154 tokens" in reason
+    assert "sd-accel build --model MODEL --height 160 --width 160 --batch 1" in reason
+    assert "engines='auto'" in reason
     # warned once, not once per step
     assert sum("unet: running torch" in r.message for r in caplog.records) == 1
 

@@ -540,3 +540,24 @@ def test_export_real_sd15_unet_over_2gb(tmp_path):
         del sess, unet, spec
         shutil.rmtree(out, ignore_errors=True)
         gc.collect()
+
+
+def test_export_without_graphsurgeon_says_nothing_above_debug(monkeypatch, caplog):
+    """Issue 46: the README's install has no onnx-graphsurgeon (only TensorRT gains from its
+    folding, and its extra brings it); an export there must not log about it at INFO or above."""
+    import sys
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from sd_accel.onnx.optimize import fold_constants
+
+    monkeypatch.setitem(sys.modules, "onnx_graphsurgeon", None)  # import fails as if not installed
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph)
+    with caplog.at_level("INFO", logger="sd_accel"):
+        assert fold_constants(model) is model
+    assert not [r for r in caplog.records if "graphsurgeon" in r.getMessage()], caplog.text
+    onnx.checker.check_model(model)

@@ -72,7 +72,8 @@ def fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         import onnx_graphsurgeon as gs
     except ImportError:
-        log.info("onnx-graphsurgeon is not installed; saving the ONNX graph without constant folding")
+        # Not a warning: only TensorRT gains from the folding, and its extra installs graphsurgeon.
+        log.debug("onnx-graphsurgeon is not installed; saving the ONNX graph without constant folding")
         return model
     graph = gs.import_onnx(model)
     graph.cleanup().toposort()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sd_accel.core import EngineError, EngineFault, ShapeRanges, covers, distance
+from sd_accel.runtime.coverage import uncovered
 from sd_accel.runtime.stats import ComponentStats
 
 log = logging.getLogger("sd_accel")
@@ -208,9 +209,8 @@ class ComponentEngines:
                 return self._fallback(built)
             candidates = [built]
         if not candidates:
-            got = ", ".join(f"{k}={tuple(v.shape)}" for k, v in feed.items())
-            others = any(h.broken is None for e in self._also for h in e.handles)
-            reason = (f"no engine covers {got}" if live or others else "no usable engine for this model")
+            others = [h for e in self._also for h in e.handles if h.broken is None]
+            reason = uncovered(feed, live + others) if live or others else "no usable engine for this model"
             return self._fallback(reason)
         failures: list[str] = []
         skipped: list[tuple[str, str]] = []
