@@ -80,9 +80,25 @@ def architecture_id(module: torch.nn.Module) -> str:
     return "arch-" + digest.hexdigest()[:40]
 
 
-# Whether the user chose Inductor's cache folder (read before torch's first compile sets the variable
-# to its default): if not, the backend keeps Inductor's caches beside the engines (INDUCTOR_DIR).
-_USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
+
+
+def _user_chose_cache_dir() -> bool:
+    """Whether the user chose Inductor's cache folder: if not, the backend keeps Inductor's caches
+    beside the engines (INDUCTOR_DIR). torch's first compile sets the variable to its default, and
+    that may come before this module is imported (a host or a test compiled something first): the
+    default is not a choice."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not chosen:
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # an older torch: take the variable as the user's
+        return True
+    return os.path.abspath(chosen) != os.path.abspath(default_cache_dir())
+
+
+# read once, at import: use_inductor_dir() sets the variable to an engine folder later
+_USER_CACHE_DIR = _user_chose_cache_dir()
 INDUCTOR_DIR = "inductor"
 _LOADED_ARTIFACTS: set[str] = set()  # digests of inductor.bin files already given to Inductor (this process)
 
