@@ -11,6 +11,7 @@ import errno
 import gc
 import importlib
 import json
+import os
 import re
 import shutil
 import threading
@@ -543,7 +544,7 @@ def test_export_real_sd15_unet_over_2gb(tmp_path):
 
 
 def test_export_without_graphsurgeon_says_nothing_above_debug(monkeypatch, caplog):
-    """Issue 46: the README's install has no onnx-graphsurgeon (only TensorRT gains from its
+    """Issue 46: ``pip install sd-accel`` has no onnx-graphsurgeon (only TensorRT gains from its
     folding, and its extra brings it); an export there must not log about it at INFO or above."""
     import sys
 
@@ -561,3 +562,39 @@ def test_export_without_graphsurgeon_says_nothing_above_debug(monkeypatch, caplo
         assert fold_constants(model) is model
     assert not [r for r in caplog.records if "graphsurgeon" in r.getMessage()], caplog.text
     onnx.checker.check_model(model)
+
+
+_FOLD_SHARED_UNSQUEEZE = """
+import sys
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+from sd_accel.onnx.optimize import fold_constants
+import onnx_graphsurgeon as gs
+c = numpy_helper.from_array(np.ones((3,), np.float32), "c")
+ax = numpy_helper.from_array(np.array([0], np.int64), "ax")
+nodes = [helper.make_node("Unsqueeze", ["c", "ax"], ["u"]), helper.make_node("Add", ["x", "u"], ["y"]),
+         helper.make_node("Mul", ["x", "c"], ["z"])]  # c shared: ORT's UnsqueezeElimination warns
+io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 3]) for n in "xyz"]
+model = helper.make_model(helper.make_graph(nodes, "g", io[:1], io[1:], [c, ax]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+if sys.argv[1] == "graphsurgeon":
+    gs.import_onnx(model).fold_constants(error_ok=True)
+else:
+    fold_constants(model)
+"""
+
+
+def test_export_with_graphsurgeon_prints_no_onnxruntime_warnings():
+    """Issue 46: graphsurgeon folds with ONNX Runtime sessions whose optimizer printed a warning
+    (on the process's stderr, not through logging) on every CLIP export."""
+    pytest.importorskip("onnx_graphsurgeon", reason="onnx-graphsurgeon is not installed (the dev extra has it)")
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    runs = {how: subprocess.run([sys.executable, "-c", _FOLD_SHARED_UNSQUEEZE, how], capture_output=True,
+                                text=True, env=env, timeout=120) for how in ("graphsurgeon", "sd-accel")}
+    assert all(r.returncode == 0 for r in runs.values()), {k: r.stderr[-2000:] for k, r in runs.items()}
+    assert "W:onnxruntime" in runs["graphsurgeon"].stderr  # the case is real: bare graphsurgeon warns
+    assert "onnxruntime" not in runs["sd-accel"].stderr, runs["sd-accel"].stderr

@@ -17,6 +17,7 @@ benefits, which is why its extra brings graphsurgeon.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,7 +79,8 @@ def fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = gs.import_onnx(model)
     graph.cleanup().toposort()
     # error_ok: a subgraph ONNX Runtime cannot evaluate is left as it is, not fatal.
-    graph.fold_constants(error_ok=True).cleanup().toposort()
+    with _ort_errors_only():
+        graph.fold_constants(error_ok=True).cleanup().toposort()
     # Constants graphsurgeon did not touch are exported as the original TensorProtos, so
     # weights left on disk stay external references (nothing is loaded here).
     folded = gs.export_onnx(graph)
@@ -86,6 +88,22 @@ def fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     folded.ir_version = model.ir_version
     folded.producer_name, folded.producer_version = model.producer_name, model.producer_version
     return folded
+
+
+@contextlib.contextmanager
+def _ort_errors_only():
+    """graphsurgeon folds with ONNX Runtime sessions of default options, whose optimizer warns on
+    every export ("UnsqueezeElimination cannot remove node ...") of nothing a user can act on."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        yield
+        return
+    ort.set_default_logger_severity(3)
+    try:
+        yield
+    finally:
+        ort.set_default_logger_severity(2)  # ORT's own default (warnings); it has no getter
 
 
 def _load_foldable_weights(model: onnx.ModelProto, base_dir: Path) -> None:
