@@ -61,12 +61,12 @@ def _spy_refits(monkeypatch, engine_dir: Path) -> list[tuple[str, int]]:
 
 @pytest.mark.slow
 def test_webui_keeps_one_set_releases_it_first_and_refits_only_the_profile_called(tmp_path, monkeypatch):
-    from sd_accel.webui.controller import controller
+    webui = harness.start(tmp_path, options=EXACT, loras={"lora-a": 1})
+    from sd_accel.webui.controller import controller  # (the modules start() imported)
     from sd_accel.webui.jobs import build_for_checkpoint
     from sd_accel.webui.lora import DEFAULT_KEPT
 
     assert DEFAULT_KEPT == 1
-    webui = harness.start(tmp_path, options=EXACT, loras={"lora-a": 1})
     small = build_for_checkpoint(profile=SMALL, components=("unet",))[0].key.name
     large = build_for_checkpoint(profile=LARGE, components=("unet",))[0].key.name
     engine_dir = tmp_path / "engines"
@@ -102,10 +102,10 @@ def test_webui_keeps_one_set_releases_it_first_and_refits_only_the_profile_calle
 
 @pytest.mark.slow
 def test_preflight_refuses_a_refit_that_would_not_fit_and_the_job_goes_on(tmp_path, monkeypatch, capsys, caplog):
+    webui = harness.start(tmp_path, options=EXACT, loras={"lora-a": 1})
     from sd_accel import refit
     from sd_accel.webui.jobs import build_for_checkpoint
 
-    webui = harness.start(tmp_path, options=EXACT, loras={"lora-a": 1})
     name = build_for_checkpoint(profile=SMALL, components=("unet",))[0].key.name
     prompt = "a cat <lora:lora-a:1:0.8>"
     webui.shared.opts.sd_unet = "None"
