@@ -251,3 +251,102 @@ def test_diffusers_auto_refit_keeps_one_set():
     from sd_accel import refit
 
     assert refit.KEEP_REFITS == 1
+
+
+# --------------------------------------------------------------------------- diffusers: refit_engines(auto=True)
+
+DIFFUSERS_SCRIPT = r'''
+import resource, sys, torch
+from sd_accel import AccelConfig, accelerate, load_pipeline, refit_engines
+mode, engine_dir, lora_dir = sys.argv[1:4]
+pipe = accelerate(load_pipeline("builtin:tiny-sd15"), AccelConfig(engines=True, engine_dir=engine_dir,
+                  backend="onnxruntime", precision="fp32", sampler="Euler"))
+def run():
+    pipe("a cat", num_inference_steps=2, height=64, width=64, generator=torch.Generator().manual_seed(0),
+         output_type="np")
+if mode == "lora":
+    pipe.load_lora_weights(lora_dir, adapter_name="style")
+    refit_engines(pipe, progress=False, auto=True)
+for scale in (1.0, 0.5, 0.25, 0.75, 0.5, 1.0):
+    if mode == "lora":
+        pipe.set_adapters(["style"], [scale])
+    run()
+print("peak", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+'''
+
+
+@pytest.fixture(scope="module")
+def diffusers_setup(tmp_path_factory):
+    """UNet engine of the tiny SD 1.5 (ONNX Runtime fp32, 64 px) and a LoRA on its attention."""
+    pytest.importorskip("peft", reason="peft is not installed (it is in sd-accel[dev])")
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from sd_accel import build_engines, load_pipeline
+
+    engine_dir = tmp_path_factory.mktemp("refit-memory-engines")
+    build_engines(load_pipeline("builtin:tiny-sd15"), profiles=[dict(batch=1, height=64, width=64)],
+                  components=["unet"], backend="onnxruntime", engine_dir=engine_dir, progress=False)
+    lora_dir = tmp_path_factory.mktemp("refit-memory-lora")
+    src = load_pipeline("builtin:tiny-sd15")
+    torch.manual_seed(0)
+    src.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                    init_lora_weights=False))
+    StableDiffusionPipeline.save_lora_weights(lora_dir, unet_lora_layers=get_peft_model_state_dict(src.unet))
+    return engine_dir, lora_dir
+
+
+def _live_refits() -> int:
+    import gc
+
+    from sd_accel.refit import RefittedRunner
+
+    return sum(1 for o in gc.get_objects() if isinstance(o, RefittedRunner) and o._cleanup.alive)
+
+
+@pytest.mark.slow
+def test_diffusers_auto_refit_keeps_one_set_and_releases_the_serving_one_first(diffusers_setup, monkeypatch):
+    from sd_accel import AccelConfig, accelerate, load_pipeline, refit, refit_engines, stats
+
+    engine_dir, lora_dir = diffusers_setup
+    assert refit.KEEP_REFITS == 1
+    pipe = accelerate(load_pipeline("builtin:tiny-sd15"), AccelConfig(
+        engines=True, engine_dir=str(engine_dir), backend="onnxruntime", precision="fp32", sampler="Euler"))
+    before = _live_refits()
+    seen: list[tuple[int, int]] = []  # (refits alive, UNet runners loaded) as each refit starts
+    real = refit.refit_engine
+
+    def spy(handle, *args, **kwargs):
+        loaded = sum(h.runner is not None for e in pipe.unet.engines.values() for h in e.handles)
+        seen.append((_live_refits() - before, loaded))
+        return real(handle, *args, **kwargs)
+
+    monkeypatch.setattr(refit, "refit_engine", spy)
+    pipe("a cat", num_inference_steps=1, height=64, width=64, output_type="np")  # the base engine loaded
+    pipe.load_lora_weights(lora_dir, adapter_name="style")
+    refit_engines(pipe, progress=False, auto=True)
+    for scale in (0.5, 0.25, 1.0):
+        pipe.set_adapters(["style"], [scale])
+        pipe("a cat", num_inference_steps=1, height=64, width=64, output_type="np")
+    assert len(seen) == 4 and stats(pipe)["unet"]["torch_calls"] == 0
+    # Every refit started with nothing patched held and the serving engine released.
+    assert seen == [(0, 0)] * 4, seen
+    assert _live_refits() - before == 1
+    assert len(_copies(Path(engine_dir))) == 1
+
+
+@pytest.mark.slow
+def test_diffusers_peak_rss_with_lora_strength_changes_stays_near_a_plain_run(diffusers_setup, tmp_path):
+    """ru_maxrss of a process making images at six LoRA strengths (each a refit) against the same
+    images without LoRA: tiny models, so the bound is loose; it catches a refit that holds every
+    strength's copy, or the weights several times over."""
+    engine_dir, lora_dir = diffusers_setup
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "SD_ACCEL_ORT_THREADS": "1"}
+    peaks = {}
+    for mode in ("plain", "lora"):
+        out = subprocess.run([sys.executable, "-c", DIFFUSERS_SCRIPT, mode, str(engine_dir), str(lora_dir)],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        peaks[mode] = int(out.stdout.split("peak")[-1].split()[0]) * 1024  # KiB on Linux
+    assert peaks["lora"] <= peaks["plain"] * 1.25 + (64 << 20), peaks
