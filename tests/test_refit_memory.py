@@ -316,9 +316,10 @@ def test_diffusers_auto_refit_keeps_one_set_and_releases_the_serving_one_first(d
     before = _live_refits()
     seen: list[tuple[int, int]] = []  # (refits alive, UNet runners loaded) as each refit starts
     real = refit.refit_engine
+    wrapper = pipe.unet  # (a refit runs with the torch modules in the pipeline's slots)
 
     def spy(handle, *args, **kwargs):
-        loaded = sum(h.runner is not None for e in pipe.unet.engines.values() for h in e.handles)
+        loaded = sum(h.runner is not None for e in wrapper.engines.values() for h in e.handles)
         seen.append((_live_refits() - before, loaded))
         return real(handle, *args, **kwargs)
 
