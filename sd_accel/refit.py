@@ -111,6 +111,10 @@ def refit_needs(handle, weights: dict[str, torch.Tensor]) -> int:
     return patched + int(getattr(record, "size_bytes", 0) or 0)
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 // 10 else f"{n / 2**20:.1f} MiB"
+
+
 def preflight(handle, weights: dict[str, torch.Tensor]) -> None:
     """Raise :class:`~sd_accel.core.EngineError` before a refit that would not fit in the memory
     available now (nothing is written or loaded; the host keeps the engines it has)."""
@@ -119,8 +123,8 @@ def preflight(handle, weights: dict[str, torch.Tensor]) -> None:
         return
     need = refit_needs(handle, weights)
     if need > free:
-        raise EngineError(f"not enough memory to refit {handle.name}: needs ~{need / 2**30:.1f} GiB, "
-                          f"{free / 2**30:.1f} GiB available; close other engines or applications (or other "
+        raise EngineError(f"not enough memory to refit {handle.name}: needs ~{_gib(need)}, "
+                          f"{_gib(free)} available; close other engines or applications (or other "
                           "checkpoints' engines), keep fewer LoRA sets refitted, or build an engine with these "
                           "LoRAs applied; this call runs on the engines or PyTorch as before")
 
