@@ -2,7 +2,7 @@
 
 A job whose LoRA set has no engine of its own, on a checkpoint whose base engine exists
 (fp32 / fp16 / bf16: INT8 weights were quantized with calibrated scales and need a rebuild),
-gets the base engine refitted to the UNet's merged weights (:func:`sd_accel.refit.refit_component`:
+gets the base engine refitted to the UNet's merged weights (:func:`sd_accel.refit.refit_engine`:
 the export's graph with the new weights, the backend's build, validated against the torch
 UNet). Refits live in memory (and a scratch folder under ``<engines>/.refit`` each), never in
 the cache's index. Each engine (profile) is refitted at its first call, not all of them when the
