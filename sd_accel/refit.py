@@ -298,14 +298,17 @@ class PendingRefit:
     """Stands in for the runner of a refitted engine until the engine's first call, which refits
     it (``make(handle)``: a :class:`RefittedRunner`, e.g. :func:`refit_engine` on the host's
     current weights) and serves from then on. A LoRA change thus patches only the profiles
-    that are called. A refit that fails, or would not fit in memory (:func:`preflight`), sets
-    the engine aside for this weight set with the reason (the call, and the next, run on
-    another engine or torch); it is not tried again."""
+    that are called. The base engine's runner (``base``, serving the unpatched weights) is
+    closed as the refit starts: the refit holds one copy of the engine, not two; the base is
+    loaded again from the cache when a call without the LoRA comes. A refit that fails, or
+    would not fit in memory (:func:`preflight`), sets the engine aside for this weight set with
+    the reason (the call, and the next, run on another engine or torch); it is not tried again."""
 
-    def __init__(self, handle, make: Callable[[Any], RefittedRunner]) -> None:
+    def __init__(self, handle, make: Callable[[Any], RefittedRunner], base=None) -> None:
         self.handle = handle
         self.shapes = handle.shapes
         self._make = make
+        self._base = base  # the base engine's handle: its runner leaves memory as the refit starts
         self.refit: RefittedRunner | None = None
         self.seconds = 0.0  # what the refit took (0 until it ran)
         self.why: str | None = None  # why it failed
@@ -318,6 +321,10 @@ class PendingRefit:
         if self.refit is None:
             if self.why is not None:
                 raise EngineError(self.why)
+            base = self._base
+            if base is not None and base.runner is not None and base.refit is None:
+                base.runner.close()  # it serves other weights; loaded again from the cache when they come back
+                base.runner = None
             start = time.perf_counter()
             try:
                 self.refit = self._make(self.handle)
@@ -353,7 +360,7 @@ def pending_component(engines, make: Callable[[Any], RefittedRunner]):
     made = []
     for handle in handles:
         new = replace(handle, runner=None, refit=None, broken=None, failures=0)
-        pending = PendingRefit(new, make)
+        pending = PendingRefit(new, make, base=handle)
         new.runner = new.refit = pending  # closed: REFIT_CLOSED, never the base engine's weights
         made.append(new)
     out = ComponentEngines(engines.component, made, engines.fallback_allowed, engines.prefer_precision)

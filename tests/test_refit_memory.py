@@ -75,12 +75,20 @@ def test_webui_keeps_one_set_releases_it_first_and_refits_only_the_profile_calle
     reference = {s: webui.txt2img(prompt=p, steps=2).samples for s, p in prompts.items()}
     webui.shared.opts.sd_unet = "Automatic"
     events = _spy_refits(monkeypatch, engine_dir)
+    webui.txt2img(prompt="a cat", steps=2)  # the base 64 px engine loaded (no LoRA)
 
-    # 64 px: only the 64 px engine is refitted (the 96 px one is never patched for it).
+    def base_loaded() -> dict[str, bool]:
+        (base,) = [e for e in controller().loaded("ldm_unet") if "+lora" not in e.weights_id]
+        return {h.name: h.runner is not None for h in base.handles}
+
+    assert base_loaded() == {small: True, large: False}
+    # 64 px: only the 64 px engine is refitted (the 96 px one is never patched for it); the base
+    # engine's copy leaves memory as its refit starts.
     out = webui.txt2img(prompt=prompts[0.8], steps=2)
     assert _counts() == (2, 0)
     torch.testing.assert_close(out.samples, reference[0.8], **TOL)
     assert events == [(small, 0)] and len(_copies(engine_dir)) == 1
+    assert base_loaded() == {small: False, large: False}
     # 96 px with the same set: now its engine, at its first call.
     webui.txt2img(prompt=prompts[0.8], steps=2, width=96, height=96)
     assert events[-1] == (large, 1) and len(events) == 2 and len(_copies(engine_dir)) == 2
@@ -96,6 +104,9 @@ def test_webui_keeps_one_set_releases_it_first_and_refits_only_the_profile_calle
     assert _copies(engine_dir)[0].startswith(f"p{os.getpid()}-")
     usage = controller().cache().disk_usage()
     assert len(usage.refit_copies) == 1 and usage.refit_bytes > 0 and "refit copies" in usage.describe()
+    # Without LoRA: the base engine, loaded again from the cache.
+    webui.txt2img(prompt="a cat", steps=2)
+    assert _counts() == (2, 0) and base_loaded()[small]
     controller().engines_changed()
     assert _copies(engine_dir) == []
 
