@@ -193,6 +193,17 @@ def test_comfyui_keeps_one_strength_and_releases_it_before_the_next(tmp_path, mo
             assert len(events) == n + 1 and events[-1][1] == 0, events
             assert "64" in events[-1][0].split(".h")[1][:3]
             assert len(_copies(engine_dir)) == 1
+        # A strength whose refit would not fit: said before it starts; the image is made in PyTorch.
+        from sd_accel import refit
+
+        monkeypatch.setattr(refit, "available_memory", lambda: 4096)
+        caplog.clear()
+        torch_lora, _ = comfy.sd.load_lora_for_models(model, clip, lora, 0.75, 0.75)
+        reference = comfy.sample(torch_lora, clip)
+        engine_lora, _ = comfy.sd.load_lora_for_models(engines, clip, lora, 0.75, 0.75)
+        torch.testing.assert_close(comfy.sample(engine_lora, clip), reference, **TOL)
+        assert "not enough memory to refit" in caplog.text and "0 on engines, 2 in PyTorch" in caplog.text
+        assert _copies(engine_dir) == []  # the previous strength's copy went first; nothing new written
     finally:
         logger.removeHandler(caplog.handler)
         comfy_harness.purge()
