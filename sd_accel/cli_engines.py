@@ -176,6 +176,22 @@ def _print_intermediates(rows: list[dict[str, Any]]) -> None:
         print("  " + "  ".join(str(r[c] or "-").ljust(widths[c]) for c in cols))
 
 
+def _refit_row(item) -> dict[str, Any]:
+    from sd_accel.units import format_size
+
+    return {**item.to_dict(), "size": format_size(item.size_bytes)}
+
+
+def _print_refit_copies(rows: list[dict[str, Any]]) -> None:
+    print("refit copies (engines a LoRA refit patched, under .refit; a running host's go when it closes them, "
+          "those of ended processes at the next refit or prune; prune --refit-copies removes all):")
+    cols = ("size", "status", "name")
+    widths = {c: max([len(c)] + [len(str(r[c])) for r in rows]) for c in cols}
+    print("  " + "  ".join(c.ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  " + "  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from sd_accel import EngineCache
 
@@ -184,9 +200,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
     broken = [{"name": b.name, "reason": b.reason} for b in cache.broken()]
     usage = cache.disk_usage()
     extra = [_intermediate_row(i) for i in usage.intermediates]
+    copies = [_refit_row(c) for c in usage.refit_copies]
     if args.json:
         print(json.dumps({"root": str(cache.root), "engines": rows, "broken": broken, "intermediates": extra,
-                          "engines_bytes": usage.engines_bytes, "intermediates_bytes": usage.intermediates_bytes,
+                          "refit_copies": copies, "engines_bytes": usage.engines_bytes,
+                          "intermediates_bytes": usage.intermediates_bytes, "refit_bytes": usage.refit_bytes,
                           "total_bytes": usage.total_bytes}))
         return 0
     if rows:
@@ -195,6 +213,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"broken: {b['name']}: {b['reason']}")
     if extra:
         _print_intermediates(extra)
+    if copies:
+        _print_refit_copies(copies)
     print(f"{usage.describe()} in {cache.root}")
     return 0
 
@@ -231,9 +251,11 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     from sd_accel import EngineCache
     from sd_accel.units import format_size, parse_age, parse_size
 
-    if args.max_size is None and args.older_than is None:
-        raise InvalidValue("prune needs --max-size and/or --older-than")
+    if args.max_size is None and args.older_than is None and not args.refit_copies:
+        raise InvalidValue("prune needs --max-size, --older-than and/or --refit-copies")
     cache = EngineCache(args.engine_dir)
+    for c in cache.drop_refit_copies(in_use_too=args.refit_copies):  # without the flag: those of ended processes
+        print(f"removed {c.name} (refit copy, {format_size(c.size_bytes)}, {c.status})")
     before = {i.name: i for i in cache.intermediates()}
     removed = cache.prune(max_bytes=parse_size(args.max_size) if args.max_size else None,
                           older_than_s=parse_age(args.older_than) if args.older_than else None)
@@ -323,6 +345,9 @@ def add_commands(sub, engine_args) -> None:
     pr = sub.add_parser("prune", help="remove engines by age, or engines and intermediates by total size")
     pr.add_argument("--max-size", default=None, help="e.g. 20GB: engines plus intermediates")
     pr.add_argument("--older-than", default=None, help="e.g. 30d (by last use)")
+    pr.add_argument("--refit-copies", action="store_true",
+                    help="remove every LoRA refit's engine copy (.refit/), those of running hosts too (they refit "
+                         "again when needed); those of ended processes go with any prune")
     engine_args(pr)
     pr.set_defaults(func=_cmd_prune)
 

@@ -18,7 +18,9 @@ For each engine-backed module whose weights changed since its engines were built
 2. the backend builds from that graph the way it built the engine (ONNX Runtime: its optimized
    session at the engine's shapes; OpenVINO: convert and compile) into a scratch folder under
    ``<engines>/.refit`` that lives as long as the refitted engine (never in the index: the
-   base engine stays in the cache as it was);
+   base engine stays in the cache as it was); it is named after this process
+   (``.refit/p<pid>-...``), listed and counted by ``sd-accel list``, and removed after a crash
+   by the next refit or prune (:mod:`sd_accel.cache.refits`);
 3. the refitted engine is validated against the torch module like a new one, and replaces the
    engine in memory for this pipeline; the stand-in takes the current weights as its reference.
 
@@ -28,13 +30,21 @@ packed and reordered layouts that cannot be replaced one by one). INT8 engines a
 their weights were quantized with calibrated scales, so a changed weight needs a rebuild.
 
 Which initializer holds which torch weight: :func:`sd_accel.onnx.weights.initializer_map`.
+
+Memory. A refit holds the engine it makes and the patched weights it writes; so before it
+starts, :func:`preflight` sets that estimate against the memory available and refuses with an
+:class:`~sd_accel.core.EngineError` that says both (the host goes on with the engines it has, or
+PyTorch). Only one refitted weight set per module is kept by default (:data:`KEEP_REFITS`), and
+the previous one is released before the next is made, so a strength change never holds two
+patched copies. The hosts (the WebUI extension, the ComfyUI pack) refit lazily: a
+:class:`PendingRefit` stands in for each engine and refits it at its first call, so a LoRA change
+patches only the profiles the jobs really call.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import time
 import weakref
 from collections.abc import Callable
@@ -43,6 +53,7 @@ from typing import Any
 
 import torch
 
+from sd_accel.cache.refits import REFIT_DIR, new_copy  # noqa: F401  (REFIT_DIR: where they go)
 from sd_accel.core import SPEC_VERSION, EngineError, InvalidValue
 from sd_accel.core import peft_layer as _peft_layer
 from sd_accel.onnx.weights import effective_weights, write_full
@@ -51,7 +62,6 @@ from sd_accel.runtime.selection import REFIT_CLOSED
 
 log = logging.getLogger("sd_accel")
 
-REFIT_DIR = ".refit"  # under the engine cache root: scratch folders of refitted engines
 NEEDS_REBUILD = ("int8", "int8-dynamic")  # weights quantized with calibrated scales
 
 
@@ -74,9 +84,49 @@ def _artifact(cache_root: Path, record) -> Path:
 
 
 def _scratch(cache_root: Path, name: str) -> Path:
-    root = Path(cache_root) / REFIT_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"{name[:60]}-", dir=root))
+    return new_copy(cache_root, name)  # .refit/p<pid>-<name>-...; stale ones go at the first
+
+
+_WEIGHT_BYTES = {"fp16": 2, "bf16": 2}  # per element; fp32 engines (and any other) 4
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (psutil's ``available``; MemAvailable
+    without psutil), or None where it cannot be told."""
+    try:
+        import psutil
+    except ImportError:
+        from sd_accel.validate import available_bytes
+
+        return available_bytes()
+    return int(psutil.virtual_memory().available)
+
+
+def refit_needs(handle, weights: dict[str, torch.Tensor]) -> int:
+    """Bytes a refit of ``handle``'s engine to ``weights`` holds at its peak, estimated: the
+    patched weights in the engine's precision (written out, then loaded) plus the engine loaded."""
+    record = handle.record
+    per = _WEIGHT_BYTES.get(record.key.precision, 4)
+    patched = sum(t.numel() for t in weights.values() if t.is_floating_point()) * per
+    return patched + int(getattr(record, "size_bytes", 0) or 0)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 // 10 else f"{n / 2**20:.1f} MiB"
+
+
+def preflight(handle, weights: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`~sd_accel.core.EngineError` before a refit that would not fit in the memory
+    available now (nothing is written or loaded; the host keeps the engines it has)."""
+    free = available_memory()
+    if free is None:
+        return
+    need = refit_needs(handle, weights)
+    if need > free:
+        raise EngineError(f"not enough memory to refit {handle.name}: needs ~{_gib(need)}, "
+                          f"{_gib(free)} available; close other engines or applications (or other "
+                          "checkpoints' engines), keep fewer LoRA sets refitted, or build an engine with these "
+                          "LoRAs applied; this call runs on the engines or PyTorch as before")
 
 
 class RefittedRunner:
@@ -112,6 +162,7 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
                            f"(build_engines(pipe, precision={precision!r})) or use an fp32/bf16 engine")
     cache_root = Path(handle.cache.root)
     source = _artifact(cache_root, record)
+    preflight(handle, weights)
     folder = _scratch(cache_root, record.key.name)
     try:
         runner = _patched(handle, weights, spec, source.parent, folder / "patched", progress, validate_it)
@@ -243,6 +294,80 @@ def refit_component(engines, weights: dict[str, torch.Tensor], spec,
     return out
 
 
+class PendingRefit:
+    """Stands in for the runner of a refitted engine until the engine's first call, which refits
+    it (``make(handle)``: a :class:`RefittedRunner`, e.g. :func:`refit_engine` on the host's
+    current weights) and serves from then on. A LoRA change thus patches only the profiles
+    that are called. The base engine's runner (``base``, serving the unpatched weights) is
+    closed as the refit starts: the refit holds one copy of the engine, not two; the base is
+    loaded again from the cache when a call without the LoRA comes. A refit that fails, or
+    would not fit in memory (:func:`preflight`), sets the engine aside for this weight set with
+    the reason (the call, and the next, run on another engine or torch); it is not tried again."""
+
+    def __init__(self, handle, make: Callable[[Any], RefittedRunner], base=None) -> None:
+        self.handle = handle
+        self.shapes = handle.shapes
+        self._make = make
+        self._base = base  # the base engine's handle: its runner leaves memory as the refit starts
+        self.refit: RefittedRunner | None = None
+        self.seconds = 0.0  # what the refit took (0 until it ran)
+        self.why: str | None = None  # why it failed
+
+    @property
+    def done(self) -> bool:
+        return self.refit is not None
+
+    def infer(self, feed):
+        if self.refit is None:
+            if self.why is not None:
+                raise EngineError(self.why)
+            base = self._base
+            if base is not None and base.runner is not None and base.refit is None:
+                base.runner.close()  # it serves other weights; loaded again from the cache when they come back
+                base.runner = None
+            start = time.perf_counter()
+            try:
+                self.refit = self._make(self.handle)
+            except Exception as exc:
+                text = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+                self.why = f"the refit of {self.handle.name} failed: {text}"
+                self.handle.broken = self.why  # this weight set's engine only: the cache keeps the base
+                log.warning("%s", self.why)
+                raise EngineError(self.why) from exc
+            self.seconds = time.perf_counter() - start
+        return self.refit.infer(feed)
+
+    def close(self) -> None:
+        if self.refit is not None:
+            self.refit.close()
+            self.refit = None
+
+
+def pending_component(engines, make: Callable[[Any], RefittedRunner]):
+    """A new :class:`~sd_accel.runtime.ComponentEngines` whose every usable engine of
+    ``engines`` is refitted at its first call (:class:`PendingRefit`), by ``make(handle)``.
+    INT8 engines are refused as by :func:`refit_component`; ``engines`` is left as it is."""
+    from dataclasses import replace
+
+    from sd_accel.runtime.selection import ComponentEngines
+
+    handles = [h for h in engines.handles if h.broken in (None, REFIT_CLOSED)]
+    refused = [why for why in map(needs_rebuild, handles) if why]
+    if refused:
+        raise InvalidValue("; ".join(refused))
+    if not handles:
+        raise EngineError(f"{engines.component}: no usable engine to refit")
+    made = []
+    for handle in handles:
+        new = replace(handle, runner=None, refit=None, broken=None, failures=0)
+        pending = PendingRefit(new, make, base=handle)
+        new.runner = new.refit = pending  # closed: REFIT_CLOSED, never the base engine's weights
+        made.append(new)
+    out = ComponentEngines(engines.component, made, engines.fallback_allowed, engines.prefer_precision)
+    out.model = engines.model
+    return out
+
+
 def _closed(wrapper) -> bool:
     return any(h.broken == REFIT_CLOSED for e in wrapper.engines.values() for h in e.handles)
 
@@ -264,7 +389,7 @@ def _bar(progress: bool | Callable[[Any], None], label: str) -> tuple[Callable[[
     return tick, bar.close
 
 
-KEEP_REFITS = 4  # refits kept per module for auto=True (a few LoRA sets or scales switched between)
+KEEP_REFITS = 1  # refits kept per module for auto=True: each holds patched engines (memory), one set by default
 
 
 def _state_key(module: torch.nn.Module) -> tuple:
@@ -309,6 +434,34 @@ def _install(wrapper, pairs: list[tuple[Any, RefittedRunner]]) -> None:
     wrapper.remember_weights()
 
 
+def _release(wrapper) -> None:
+    """Close the runners ``wrapper``'s engines serve now (the base engine's or a refit's that is
+    not kept) before a new refit is made: never two patched copies at once. Their engines are
+    marked closed until the refit installs its runners, so they never run stale weights."""
+    kept = {id(r) for entry in wrapper.__dict__.get("_refits", {}).values() for _, r in entry}
+    for engines in wrapper.engines.values():
+        for handle in engines.handles:
+            if handle.broken is not None or handle.runner is None or getattr(handle.backend, "reads_live_weights",
+                                                                             False):
+                continue
+            if id(handle.runner) not in kept:
+                handle.runner.close()
+            handle.runner = handle.refit = None
+            handle.broken = REFIT_CLOSED
+
+
+def _make_room(wrapper, refits: dict, keep: int) -> None:
+    """Close the oldest kept refits of ``wrapper`` until at most ``keep`` remain (the ones
+    serving now among them: their engines step aside until refitted again)."""
+    while refits and len(refits) > max(0, keep):
+        old = refits.pop(next(iter(refits)))
+        for handle, runner in old:
+            runner.close()
+            if handle.runner is runner:
+                handle.runner = handle.refit = None
+                handle.broken = REFIT_CLOSED
+
+
 def _auto_refit(pipe_ref, progress, validate: bool):
     """The stand-ins' hook for ``auto=True``: on a call whose weights changed, install a kept
     refit of these weights, or make one (and keep it, up to :data:`KEEP_REFITS`)."""
@@ -325,6 +478,8 @@ def _auto_refit(pipe_ref, progress, validate: bool):
             pipe = pipe_ref()
             if pipe is None:
                 return False
+            _make_room(wrapper, refits, KEEP_REFITS - 1)  # the oldest go before the new one is made
+            _release(wrapper)
             log.warning("%s: weights changed; refitting its engines to them (refit_engines(pipe, auto=True))",
                         next(iter(wrapper.engines), "module"))
             with torch_modules(pipe):
@@ -391,9 +546,13 @@ def refit_engines(pipe, *, progress: bool | Callable[[Any], None] = True, valida
     with torch_modules(pipe):  # validation runs the torch modules through the specs
         specs = {**specs_for(pipe), **control_specs(pipe)}  # a ControlNet pipeline's residual UNet: the UNet's weights
         for wrapper in todo.values():
+            keep = auto or (auto is None and wrapper.auto_refit)  # kept: switching back costs nothing
+            refits = wrapper.__dict__.setdefault("_refits", {})
+            _make_room(wrapper, refits, KEEP_REFITS - 1 if keep else 0)  # released before the new refit
+            _release(wrapper)
             pairs = _refit_module(wrapper, specs, progress, validate)
-            if auto or (auto is None and wrapper.auto_refit):  # kept: switching back costs nothing
-                wrapper.__dict__.setdefault("_refits", {})[_state_key(wrapper.torch_module)] = pairs
+            if keep:
+                refits[_state_key(wrapper.torch_module)] = pairs
             _install(wrapper, pairs)
             for handle, _ in pairs:
                 done.setdefault(handle.record.key.component, []).append(handle.name)

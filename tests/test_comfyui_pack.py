@@ -151,8 +151,11 @@ def test_engines_serve_txt2img_keyed_like_the_webui(tmp_path, engine_dir, caplog
 
 
 @pytest.mark.slow
-def test_lora_refits_at_two_strengths_and_is_never_stale(tmp_path, engine_dir, caplog):
+def test_lora_refits_at_two_strengths_and_is_never_stale(tmp_path, engine_dir, caplog, monkeypatch):
     comfy = harness.start(tmp_path, engine_dir)
+    from sd_accel.comfyui import unet as comfy_unet  # (the pack's modules as start() imported them)
+
+    monkeypatch.setattr(comfy_unet, "KEPT_REFITS", 2)  # one by default (tests/test_refit_memory.py): switch back free
     model, clip, _ = comfy.load()
     lora = comfy.sd.lora_for(model, seed=3)
     engines = comfy.node("SdAccelApplyEngines").apply(model)[0]
@@ -383,7 +386,7 @@ def test_engines_of_checkpoints_used_longer_ago_are_closed(tmp_path, monkeypatch
     monkeypatch.setattr(st, "backends_here", lambda: ["onnxruntime"])
     refit_engines = Found("ckpt-aaaaaaaaaa+lora-1")
     where = ("ckpt-aaaaaaaaaa", "onnxruntime", "root", 0)
-    st.refits.add(where, Refit(engines=refit_engines, loras=(("l", 1.0),), base=(), seconds=0.0), keep=2)
+    st.refits.add(where, Refit(engines=refit_engines, loras=(("l", 1.0),), base=()), keep=2)
 
     a = st.engines_for("ckpt-aaaaaaaaaa", "ldm_vae_decoder")
     assert st.engines_for("ckpt-aaaaaaaaaa.clip_l", "comfy_clip") is not None

@@ -666,6 +666,7 @@ def test_auto_refit_serves_lora_scales_on_engines_and_keeps_recent_refits(engine
     made = []
     real = refit.refit_engine
     monkeypatch.setattr(refit, "refit_engine", lambda handle, *a, **k: made.append(handle.name) or real(handle, *a, **k))
+    monkeypatch.setattr(refit, "KEEP_REFITS", 4)  # one by default (tests/test_refit_memory.py)
     pipe = accelerate(load_pipeline("builtin:tiny-sd15"), _config(engine_dir))
     pipe.load_lora_weights(lora_dir, adapter_name="style")
     refit_engines(pipe, progress=False, auto=True)

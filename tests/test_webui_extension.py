@@ -369,7 +369,7 @@ def test_api_routes_list_build_delete(tmp_path, engine_dir):
     # Disk: the ONNX exports are counted, and go with the last engine that needs them.
     disk = client.get("/sd-accel/engines").json()["disk"]
     assert disk["onnx_bytes"] > 0 and disk["onnx_unused_bytes"] == 0
-    assert disk["total_bytes"] == disk["engine_bytes"] + disk["onnx_bytes"] + disk["calibration_bytes"]
+    assert disk["total_bytes"] == disk["engine_bytes"] + disk["onnx_bytes"] + disk["calibration_bytes"] + disk["refit_bytes"]
     from sd_accel.webui.tab import WebUIPanelState
 
     assert "ONNX exports" in WebUIPanelState().disk_usage()

@@ -43,7 +43,8 @@ def _refit_folders(engine_dir: Path) -> list[Path]:
 
 
 def test_a1111_lora_sets_refit_the_checkpoint_engine(tmp_path, capsys):
-    webui = harness.start(tmp_path, options=EXACT, loras={"lora-a": 1, "lora-b": 2})
+    # Two sets kept (the setting; one by default: tests/test_refit_memory.py), to switch back for free.
+    webui = harness.start(tmp_path, options={**EXACT, "sd_accel_lora_refits": 2}, loras={"lora-a": 1, "lora-b": 2})
     from sd_accel.webui.controller import controller
     from sd_accel.webui.jobs import build_for_checkpoint
 
@@ -131,7 +132,7 @@ def test_a1111_refits_off_in_the_settings(tmp_path, capsys):
 
 
 def test_forge_lora_patches_refit_the_checkpoint_engine(tmp_path, capsys):
-    webui = harness.start(tmp_path, forge=True, options=EXACT)
+    webui = harness.start(tmp_path, forge=True, options={**EXACT, "sd_accel_lora_refits": 2})
     from sd_accel.webui.controller import controller
     from sd_accel.webui.jobs import build_for_checkpoint
 

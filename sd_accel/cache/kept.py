@@ -24,6 +24,7 @@ from .intermediates import ONNX_DIR, Intermediate, parse_name, paths, scan, serv
 from .record import (
     EngineRecord,
 )
+from .refits import RefitCopy, refit_copies
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,19 @@ class DiskUsage:
     engines: int
     engines_bytes: int
     intermediates: tuple[Intermediate, ...]
+    refit_copies: tuple[RefitCopy, ...] = ()  # LoRA refits' engine copies (sd_accel.cache.refits)
 
     @property
     def intermediates_bytes(self) -> int:
         return sum(i.size_bytes for i in self.intermediates)
 
     @property
+    def refit_bytes(self) -> int:
+        return sum(c.size_bytes for c in self.refit_copies)
+
+    @property
     def total_bytes(self) -> int:
-        return self.engines_bytes + self.intermediates_bytes
+        return self.engines_bytes + self.intermediates_bytes + self.refit_bytes
 
     def describe(self) -> str:
         """One line for faces: engines, intermediates and the total."""
@@ -53,6 +59,11 @@ class DiskUsage:
             unused = sum(i.size_bytes for i in self.intermediates if i.unused)
             line += (f" + intermediates {format_size(self.intermediates_bytes)} (ONNX exports, calibration data"
                      + (f"; {format_size(unused)} unused, removed by delete/prune" if unused else "") + ")")
+        if self.refit_copies:
+            stale = sum(c.size_bytes for c in self.refit_copies if c.stale)
+            line += (f" + refit copies {format_size(self.refit_bytes)} (LoRA refits"
+                     + (f"; {format_size(stale)} left by ended processes, removed by prune" if stale else "")
+                     + ")")
         return f"{line} = {format_size(self.total_bytes)}"
 
 
@@ -70,7 +81,12 @@ class KeptIntermediates(CacheFolder):
         """Engines plus intermediates: what ``list``, the panel and the WebUI API count."""
         records = self.list()
         return DiskUsage(len(records), sum(r.size_bytes for r in records),
-                         tuple(scan(self.root, records, self._components_building())))
+                         tuple(scan(self.root, records, self._components_building())),
+                         tuple(refit_copies(self.root)))
+
+    def refit_copies(self) -> builtins.list[RefitCopy]:
+        """The LoRA refits' engine copies under ``<root>/.refit`` (:mod:`sd_accel.cache.refits`)."""
+        return refit_copies(self.root)
 
     def drop_unused_intermediates(self) -> builtins.list[Intermediate]:
         """Remove every intermediate no engine needs any more (see the rule in

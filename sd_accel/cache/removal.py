@@ -21,6 +21,7 @@ from .key import EngineKey
 from .record import (
     EngineRecord,
 )
+from .refits import RefitCopy, remove_copies, remove_stale
 
 
 class Removal(CacheFolder):
@@ -69,7 +70,9 @@ class Removal(CacheFolder):
         used engines' first, then least-recently-used engines. Intermediates no engine needs
         any more are always removed. Returns the deleted engine records. Skips an engine that is
         being built and whatever a running build may read; never touches broken folders or
-        other modules' folders. Also removes temp folders left by dead builds.
+        other modules' folders. Also removes temp folders left by dead builds, and the refit
+        copies of processes that are gone (:mod:`sd_accel.cache.refits`; those of running
+        processes are removed by :meth:`drop_refit_copies`, ``sd-accel prune --refit-copies``).
 
         >>> import tempfile
         >>> from sd_accel.cache.store import EngineCache
@@ -81,6 +84,7 @@ class Removal(CacheFolder):
         if max_bytes is not None and max_bytes < 0:
             raise InvalidValue(f"max_bytes must be >= 0, not {max_bytes}")
         now = time.time() if now is None else now
+        remove_stale(self.root)
         records = sorted(self.list(), key=lambda r: r.last_used)
         victims = [r for r in records if older_than_s is not None and now - r.last_used > older_than_s]
         removed = [r for r in victims if self._delete_if_free(r.name)]
@@ -130,3 +134,9 @@ class Removal(CacheFolder):
                     self._remove_leftovers(name)
                 finally:
                     lock.release()
+
+    def drop_refit_copies(self, in_use_too: bool = True) -> builtins.list[RefitCopy]:
+        """Remove the LoRA refits' engine copies under ``<root>/.refit``: every one (a running host
+        keeps the engines it loaded and refits again when it needs another), or with
+        ``in_use_too=False`` those of processes that are gone. Returns them."""
+        return remove_copies(self.root) if in_use_too else remove_stale(self.root)

@@ -5,8 +5,8 @@ engine set changes (a build, a delete) or ``KEPT_CHECKPOINTS`` other checkpoints
 the UNet's (plain and residual-taking) come as the WebUI's :class:`~sd_accel.webui.runner.LdmEngines`
 (per-call choice, batch chunks, PyTorch for the rest, counted and said once per reason), the VAE's
 as the runtime's ``ComponentEngines``.
-LoRA refits are the WebUI's (:class:`~sd_accel.webui.lora.LoraRefits`): the last few patch
-sets of each checkpoint stay refitted.
+LoRA refits are the WebUI's (:class:`~sd_accel.webui.lora.LoraRefits`): the last patch set of
+each checkpoint stays refitted (``KEPT_REFITS`` in :mod:`.unet`), each profile at its first call.
 """
 
 from __future__ import annotations

@@ -25,12 +25,16 @@ LoRA: ComfyUI writes the patches into the weights when it loads the model for sa
 (``ModelPatcher.load``, before the first UNet call) and records ``current_weight_patches_uuid``
 on the model. At the first call of a run whose patch set has no engine of its own, the
 checkpoint's engine is refitted to those weights (:func:`sd_accel.webui.lora.refit_for`, the
-WebUI's); a strength change is another patch set, so another refit, never a rebuild; and the
-unpatched engine never serves patched weights.
+WebUI's), each profile at its own first call (a profile no call reaches is never patched); a
+strength change is another patch set, so another refit, never a rebuild: the previous set's
+refits leave memory first (:data:`KEPT_REFITS`); and the unpatched engine never serves patched
+weights. A refit that would not fit in the memory available says so before it starts and the
+run goes on in PyTorch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +52,7 @@ from sd_accel.webui.identity import LoraSet
 log = logging.getLogger("sd_accel")
 
 KEY = "sd_accel"  # the wrappers' key on the ModelPatcher
-KEPT_REFITS = 2  # patch sets kept refitted per checkpoint
+KEPT_REFITS = 1  # patch sets kept refitted per checkpoint (each a patched copy of the engines in memory)
 
 
 def _name(fn: Any) -> str:
@@ -116,7 +120,7 @@ class Run:
     control_base: Any = None  # the checkpoint's residual-taking engines (what a refit starts from)
     control_why: str | None = None  # why ControlNet calls cannot use them
     torch_calls: dict[str, int] = field(default_factory=dict)  # where no engines count them
-    line: str | None = None  # what a refit did, for the report
+    line: Any = None  # () -> what a refit did, for the report
 
 
 class EngineUNet:
@@ -223,19 +227,17 @@ class EngineUNet:
         base = run.counter
         where = (self.ckpt_id, st.backend_name(), str(st.cache().root), st.generation)
         refit = st.refits.get(where, run.loras)
+        made_now = refit is None
         if refit is None:
             failed = st.refits.failed(where, run.loras)
             if failed:
                 run.reason = failed
                 return
-            log.warning("sd-accel: refitting the engine of %s for %s (patches on the engine without a rebuild)",
-                        self.ckpt_id, describe(run.loras))
+            log.warning("sd-accel: refitting the engine of %s for %s at its first call (patches on the engine "
+                        "without a rebuild)", self.ckpt_id, describe(run.loras))
+            st.refits.make_room(where, KEPT_REFITS)  # the set that gives way leaves memory first
             try:
-                from sd_accel.comfyui.tracing import comfy_export_context
-
-                ckpt = self.ckpt_id.removeprefix("ckpt-")
-                with torch.inference_mode(False), comfy_export_context(unet):
-                    refit = refit_for(base, run.loras, ckpt, unet)
+                refit = refit_for(base, run.loras, self.ckpt_id.removeprefix("ckpt-"), unet, context=_trace(unet))
             except Exception as exc:  # noqa: BLE001  (never stop the image: PyTorch, said once)
                 why = f"the refit for {lora_text(run.loras)} failed: {type(exc).__name__}: {exc}"
                 st.refits.fail(where, run.loras, why)
@@ -243,9 +245,9 @@ class EngineUNet:
                 run.reason = why
                 return
             st.refits.add(where, refit, KEPT_REFITS)
-            run.line = refit.line(True)
         else:
-            run.line = refit.line(False)
+            refit.bind(unet, context=_trace(unet))  # a profile first called in this run refits from this UNet
+        run.line = lambda: refit.line(made_now)
         run.engines = run.counter = refit.engines
         run.counter.reset_stats()
         if run.controlnets and run.control is None and run.control_base is not None:
@@ -263,12 +265,10 @@ class EngineUNet:
             if failed:
                 run.control_why = failed
                 return
+            st.refits.make_room(where, KEPT_REFITS)
             try:
-                from sd_accel.comfyui.tracing import comfy_export_context
-
-                ckpt = self.ckpt_id.removeprefix("ckpt-")
-                with torch.inference_mode(False), comfy_export_context(unet):
-                    refit = refit_for(run.control_base, run.loras, ckpt, unet, LdmControlUNetSpec(unet))
+                refit = refit_for(run.control_base, run.loras, self.ckpt_id.removeprefix("ckpt-"), unet,
+                                  LdmControlUNetSpec(unet), context=_trace(unet))
             except Exception as exc:  # noqa: BLE001  (never stop the image: PyTorch, said once)
                 why = f"the residual-taking engine's refit for {lora_text(run.loras)} failed: {type(exc).__name__}: {exc}"
                 st.refits.fail(where, run.loras, why)
@@ -276,6 +276,8 @@ class EngineUNet:
                 run.control_why = why
                 return
             st.refits.add(where, refit, KEPT_REFITS)
+        else:
+            refit.bind(unet, LdmControlUNetSpec(unet), context=_trace(unet))
         run.control = refit.engines
         run.control.reset_stats()
 
@@ -348,8 +350,22 @@ class EngineUNet:
         if reasons:
             line += " (" + "; ".join(f"{n}x {why}" for why, n in reasons.items()) + ")"
         if run.line:
-            line += f"\nsd-accel: {run.line}"
+            line += f"\nsd-accel: {run.line() if callable(run.line) else run.line}"
         return line
+
+
+def _trace(unet: torch.nn.Module):
+    """What a refit of ``unet``'s engine needs around it inside a sampling run: autograd mode
+    back (ComfyUI samples in inference mode) and ComfyUI's run-time choices undone."""
+
+    @contextlib.contextmanager
+    def context():
+        from sd_accel.comfyui.tracing import comfy_export_context
+
+        with torch.inference_mode(False), comfy_export_context(unet):
+            yield
+
+    return context
 
 
 def apply_engines(patcher, st: State | None = None, cache_dir=None):

@@ -113,7 +113,8 @@ def register(app: FastAPI, ctl: Controller | None = None) -> bool:
 
         usage = cache.disk_usage()
         return {"engine_dir": str(cache.root), "engines": [engine_json(r, usable(r)) for r in cache.list()],
-                "intermediates": [i.to_dict() for i in usage.intermediates], "engines_bytes": usage.engines_bytes,
+                "intermediates": [i.to_dict() for i in usage.intermediates],
+                "refit_copies": [c.to_dict() for c in usage.refit_copies], "engines_bytes": usage.engines_bytes,
                 "intermediates_bytes": usage.intermediates_bytes, "total_bytes": usage.total_bytes,
                 "disk": disk_totals(cache, usage)}
 

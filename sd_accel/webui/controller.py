@@ -55,7 +55,7 @@ class Job:
     torch_only: str | None = None  # why the whole job runs in PyTorch (hypernetworks ...)
     notes: list[str] = field(default_factory=list)
     used: set = field(default_factory=set)  # weights ids whose engines served this job
-    lora_line: str | None = None  # which LoRAs the UNet's engine carries (a refit), for the report
+    lora_line: Any = None  # () -> which LoRAs the UNet's engine carries (a refit), for the report
 
 
 class Controller:
@@ -251,6 +251,11 @@ class Controller:
             where = (ckpt, self.backend_name(), str(self.cache().root), self._generation)
             if component != COMPONENT:
                 where = (*where, component)  # (LoraRefits.engines tells them apart by it)
+            spec = None
+            if component == CONTROL:
+                from sd_accel.components.ldm_control_unet import LdmControlUNetSpec
+
+                spec = LdmControlUNetSpec(unet)
             refit = self.refits.get(where, loras)
             made_now = refit is None
             if refit is None:
@@ -263,26 +268,24 @@ class Controller:
                 from sd_accel.webui.console import say
 
                 which = "engine" if component == COMPONENT else "residual-taking engine"
-                say(f"refitting the {which} of {ckpt} for {lora_text(loras)} (LoRAs on the engine without a "
-                    "rebuild; the base engine stays as it is)")
+                say(f"refitting the {which} of {ckpt} for {lora_text(loras)} at its first call (LoRAs on the "
+                    "engine without a rebuild; the base engine stays as it is)")
                 for why in refused:  # the others carry the LoRAs; these are left out
                     say(f"not refitting {why}")
+                self.refits.make_room(where, keep)  # the set that gives way leaves memory first
                 try:
-                    spec = None
-                    if component == CONTROL:
-                        from sd_accel.components.ldm_control_unet import LdmControlUNetSpec
-
-                        spec = LdmControlUNetSpec(unet)
-                    refit = refit_for(base, loras, ckpt, unet, spec)
+                    refit = refit_for(base, loras, ckpt, unet, spec, merge)
                 except Exception as exc:  # never stop the image: PyTorch, and say why once
                     why = f"the refit for {lora_text(loras)} failed: {type(exc).__name__}: {exc}"
                     self.refits.fail(where, loras, why)
                     log.warning("sd-accel: %s", why)
                     return None, why
                 self.refits.add(where, refit, keep)
+            else:
+                refit.bind(unet, spec, merge)  # a profile first called in this job refits from this UNet
             refit.engines.set_fallback(self.fallback())
             if component == COMPONENT and (self.job.lora_line is None or made_now):
-                self.job.lora_line = refit.line(made_now)
+                self.job.lora_line = lambda: refit.line(made_now)
             return refit.engines, None
 
     def engines_or_reason(self, wid: str | None, component: str = COMPONENT) -> tuple[Any, str | None]:
@@ -400,7 +403,8 @@ class Controller:
         if not lines:
             return None
         if self.job.lora_line:
-            lines.insert(1 if lines else 0, f"sd-accel: {self.job.lora_line}")
+            lora = self.job.lora_line() if callable(self.job.lora_line) else self.job.lora_line
+            lines.insert(1 if lines else 0, f"sd-accel: {lora}")
         lines.extend(f"sd-accel: {note}" for note in self.job.notes)
         text = "\n".join(lines)
         say(text)

@@ -16,7 +16,7 @@ from sd_accel.cache.intermediates import CALIBRATION_DIR, ONNX_DIR
 
 def disk_totals(cache, usage=None) -> dict[str, Any]:
     """``{"engines": n, "engine_bytes": ..., "onnx_bytes": ..., "onnx_unused_bytes": ...,
-    "calibration_bytes": ..., "total_bytes": ...}`` for the engine directory (``usage``: a
+    "calibration_bytes": ..., "refit_bytes": ..., "total_bytes": ...}`` for the engine directory (``usage``: a
     :class:`sd_accel.cache.store.DiskUsage` already read)."""
     usage = usage or cache.disk_usage()
 
@@ -29,6 +29,7 @@ def disk_totals(cache, usage=None) -> dict[str, Any]:
         "onnx_bytes": size(ONNX_DIR),
         "onnx_unused_bytes": size(ONNX_DIR, unused_only=True),
         "calibration_bytes": size(CALIBRATION_DIR),
+        "refit_bytes": usage.refit_bytes,  # LoRA refits' engine copies (.refit/)
         "total_bytes": usage.total_bytes,
     }
 
@@ -43,6 +44,8 @@ def disk_line(cache) -> str:
             f"{format_size(t['onnx_bytes'])}")
     if t["calibration_bytes"]:
         line += f" + calibration data {format_size(t['calibration_bytes'])}"
+    if t["refit_bytes"]:
+        line += f" + LoRA refit copies {format_size(t['refit_bytes'])}"
     line += f" = **{format_size(t['total_bytes'])}** on disk in `{cache.root}`"
     if t["onnx_unused_bytes"]:
         line += f" ({format_size(t['onnx_unused_bytes'])} of exports no engine uses)"

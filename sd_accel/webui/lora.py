@@ -2,12 +2,17 @@
 
 A job whose LoRA set has no engine of its own, on a checkpoint whose base engine exists
 (fp32 / fp16 / bf16: INT8 weights were quantized with calibrated scales and need a rebuild),
-gets the base engine refitted to the UNet's merged weights (:func:`sd_accel.refit.refit_component`:
+gets the base engine refitted to the UNet's merged weights (:func:`sd_accel.refit.refit_engine`:
 the export's graph with the new weights, the backend's build, validated against the torch
 UNet). Refits live in memory (and a scratch folder under ``<engines>/.refit`` each), never in
-the cache's index; the last few LoRA sets of each checkpoint are kept (setting
-``sd_accel_lora_refits``), so switching back costs nothing, and a job without LoRA uses the base
-engine as it is. A refit that fails is not tried again for that set until the engines change.
+the cache's index. Each engine (profile) is refitted at its first call, not all of them when the
+set changes (:class:`~sd_accel.refit.PendingRefit`): a LoRA change patches only the profiles the
+jobs call. One LoRA set per checkpoint is kept refitted by default (setting
+``sd_accel_lora_refits``: more keeps more sets, each a patched copy of the engines in memory);
+the set that gives way is released before the next one is refitted, so a strength change never
+holds two patched copies. A job without LoRA uses the base engine as it is. A refit that fails,
+or that would not fit in the memory available (said before it starts), is not tried again for
+that set until the engines change; the job goes on in PyTorch.
 
 Where the merged weights come from:
 
@@ -38,7 +43,7 @@ from sd_accel.webui.runner import LdmEngines
 
 log = logging.getLogger("sd_accel")
 
-DEFAULT_KEPT = 2  # LoRA sets kept refitted per checkpoint (each holds a whole engine in memory)
+DEFAULT_KEPT = 1  # LoRA sets kept refitted per checkpoint (each holds its patched engines in memory)
 
 Merge = Callable[[], "str | None"]  # makes the UNet's weights carry the LoRAs; None, or why it cannot
 
@@ -50,17 +55,64 @@ def lora_text(loras: LoraSet) -> str:
 
 @dataclass
 class Refit:
-    """One LoRA set's refitted engines."""
+    """One LoRA set's refitted engines: each refitted at its first call (:meth:`make`), from the
+    weights of the torch UNet the set was last bound to (:meth:`bind`)."""
 
-    engines: LdmEngines
+    engines: LdmEngines | None
     loras: LoraSet
     base: tuple[str, ...]  # the base engines' names
-    seconds: float
+    source: tuple = ()  # (unet, spec, merge, context): where a pending engine's weights come from
+    _seen: float = 0.0  # refit seconds already told in a job's line
+
+    @property
+    def seconds(self) -> float:
+        """What the refits made so far took."""
+        return sum(p.seconds for p in self.pending())
+
+    def pending(self) -> list:
+        """The engines' :class:`~sd_accel.refit.PendingRefit` stand-ins."""
+        from sd_accel.refit import PendingRefit
+
+        handles = self.engines.handles if self.engines is not None else []
+        return [h.refit for h in handles if isinstance(h.refit, PendingRefit)]
+
+    def bind(self, unet: torch.nn.Module, spec=None, merge: Merge | None = None, context=None) -> None:
+        """The torch UNet (and how to make it carry the set: ``merge``; the host's trace
+        ``context``) a pending engine is refitted from at its first call."""
+        self.source = (unet, spec, merge, context)
+
+    def make(self, handle):
+        """Refit ``handle``'s engine to the bound UNet's weights (a :class:`PendingRefit`'s ``make``)."""
+        from sd_accel.components.ldm_unet import LdmUNetSpec
+        from sd_accel.core import EngineError
+        from sd_accel.onnx.weights import effective_weights
+        from sd_accel.refit import refit_engine
+
+        unet, spec, merge, context = self.source
+        report = _console_progress(self.loras)
+        with contextlib.ExitStack() as stack:
+            if context is not None:
+                stack.enter_context(context())
+            stack.enter_context(refit_context(unet))
+            why = merge() if merge is not None else None
+            if why:
+                raise EngineError(why)
+            weights = effective_weights(unet)
+            return refit_engine(handle, weights, spec or LdmUNetSpec(unet), lambda f, m: report(handle.name, f, m))
 
     def line(self, made_now: bool) -> str:
-        """The job's console line: which LoRAs the engine carries."""
+        """The job's console line: which LoRAs the engine carries (and the refits made since the
+        last line: the profiles called for the first time)."""
         names = ", ".join(self.base)
-        how = f"{self.seconds:.1f} s" if made_now else "kept from an earlier job: no refit"
+        seconds = self.seconds
+        fresh, self._seen = seconds - self._seen, seconds
+        done = sum(p.done for p in self.pending())
+        if fresh > 0:
+            how = f"{fresh:.1f} s"
+        elif made_now and not done:
+            how = "each profile refitted at its first call"
+        else:
+            how = "kept from an earlier job: no refit"
         return f"UNet on engine {names} refitted for {lora_text(self.loras)} ({how})"
 
 
@@ -105,14 +157,19 @@ class LoraRefits:
     def fail(self, where: tuple, loras: LoraSet, why: str) -> None:
         self._failed[(where, loras)] = why
 
-    def add(self, where: tuple, refit: Refit, keep: int) -> None:
-        kept = self._kept.setdefault(where, OrderedDict())
-        kept[refit.loras] = refit
-        while len(kept) > max(1, keep):
+    def make_room(self, where: tuple, keep: int) -> None:
+        """Release the least recently used sets of ``where`` until a new one fits within ``keep``
+        (their patched engines leave memory before the next set is refitted)."""
+        kept = self._kept.get(where)
+        while kept and len(kept) >= max(1, keep):
             _, old = kept.popitem(last=False)
             old.engines.close()
-            log.info("sd-accel: dropped the refit for %s (the %d most recent LoRA sets are kept)",
-                     lora_text(old.loras), keep)
+            log.info("sd-accel: dropped the refit for %s (the %d most recent LoRA set%s kept)",
+                     lora_text(old.loras), keep, " is" if keep == 1 else "s are")
+
+    def add(self, where: tuple, refit: Refit, keep: int) -> None:
+        self.make_room(where, keep)
+        self._kept.setdefault(where, OrderedDict())[refit.loras] = refit
 
 
 @contextlib.contextmanager
@@ -175,21 +232,21 @@ def forge_merge(patcher) -> Merge:
     return lambda: host.forge_lora_state(patcher)
 
 
-def refit_for(base, loras: LoraSet, ckpt: str, unet: torch.nn.Module, spec=None) -> Refit:
-    """Refit the engines ``base`` (a :class:`LdmEngines` of the checkpoint; its INT8 ones are left
-    out) to ``unet``'s weights, which carry ``loras`` (see :data:`Merge`). ``spec``: the engines'
-    spec (default the plain ``ldm_unet`` one; the residual-taking UNet passes its own)."""
-    from sd_accel.components.ldm_unet import LdmUNetSpec
-    from sd_accel.onnx.weights import effective_weights
-    from sd_accel.refit import needs_rebuild, refit_component
+def refit_for(base, loras: LoraSet, ckpt: str, unet: torch.nn.Module, spec=None, merge: Merge | None = None,
+              context=None) -> Refit:
+    """The engines ``base`` (a :class:`LdmEngines` of the checkpoint; its INT8 ones are left out)
+    to be refitted to ``unet``'s weights, which carry ``loras`` (once ``merge()``, if given,
+    returned None), each at its first call (:class:`~sd_accel.refit.PendingRefit`): nothing is
+    patched here. ``spec``: the engines' spec (default the plain ``ldm_unet`` one; the
+    residual-taking UNet passes its own); ``context``: a host's trace context, entered around
+    each refit. Later jobs :meth:`Refit.bind` their own UNet and merge."""
+    from sd_accel.refit import needs_rebuild, pending_component
 
-    start = time.perf_counter()
-    with refit_context(unet):
-        weights = effective_weights(unet)
-        refittable = base.component_engines.subset(lambda h: h.broken is None and needs_rebuild(h) is None)
-        component = refit_component(refittable, weights, spec or LdmUNetSpec(unet), _console_progress(loras))
-    names = tuple(h.name for h in component.handles)
-    return Refit(LdmEngines(weights_id(ckpt, loras), component), loras, names, time.perf_counter() - start)
+    refittable = base.component_engines.subset(lambda h: h.broken is None and needs_rebuild(h) is None)
+    refit = Refit(None, loras, tuple(h.name for h in refittable.handles))
+    refit.bind(unet, spec, merge, context)
+    refit.engines = LdmEngines(weights_id(ckpt, loras), pending_component(refittable, refit.make))
+    return refit
 
 
 __all__ = ["DEFAULT_KEPT", "LoraRefits", "Refit", "a1111_merge", "forge_merge", "lora_text", "refit_context",

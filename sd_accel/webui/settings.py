@@ -34,7 +34,7 @@ def on_ui_settings() -> None:
                             section=SECTION)),
         (OPT_LORA_REFITS, info(DEFAULT_KEPT, "LoRA sets kept refitted per checkpoint: a job's LoRAs are refitted "
                                              "into the checkpoint's engine instead of needing an engine per LoRA "
-                                             "set; each kept set holds one more engine in memory (0: off)",
+                                             "set; each kept set holds a patched copy of the engines in memory (0: off)",
                                gr.Slider, {"minimum": 0, "maximum": 8, "step": 1}, section=SECTION)),
         (OPT_PRESET, info(AUTO_PRESET, "Default engine preset (tab and API)", gr.Dropdown,
                           {"choices": [AUTO_PRESET, *PRESETS]}, section=SECTION)),
