@@ -108,7 +108,7 @@ class SharedWeights(CacheFolder):
             try:
                 if self._share_one(path):
                     shared += 1
-            except OSError as exc:
+            except (OSError, EngineError) as exc:  # (a store lock held too long: EngineError)
                 logger.warning("could not share %s through %s (%s): the engine keeps its own copy",
                                path, self.weights_dir, exc)
         return shared
