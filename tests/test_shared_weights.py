@@ -69,6 +69,22 @@ def test_two_profiles_of_the_same_weights_share_one_inode(tmp_path):
     assert usage.shared_bytes == len(WEIGHTS) and "not stored twice" in usage.describe()
 
 
+def test_sd_accel_list_counts_a_shared_file_once(tmp_path, capsys):
+    import json
+
+    from sd_accel.cli import main
+
+    cache = EngineCache(tmp_path)
+    a = _build(cache, "static.b1.h64.w64.t77")
+    b = _build(cache, "b1-2.h64-96.w64-96.t77.opt1x64x64")
+    assert main(["list", "--engine-dir", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["engines_bytes"] == listed["total_bytes"] == a.size_bytes + b.size_bytes - len(WEIGHTS)
+    assert listed["shared_weights_saved_bytes"] == len(WEIGHTS) and listed["orphan_weights_bytes"] == 0
+    assert main(["list", "--engine-dir", str(tmp_path)]) == 0
+    assert "not stored twice" in capsys.readouterr().out
+
+
 def test_different_weights_are_not_shared_and_unnamed_files_stay_plain(tmp_path):
     cache = EngineCache(tmp_path)
     a = _build(cache, "static.b1.h64.w64.t77")
