@@ -148,6 +148,30 @@ def test_no_hard_link_keeps_a_copy_and_the_engine_stays_valid(tmp_path, monkeypa
     assert cache.disk_usage().engines_bytes == a.size_bytes + b.size_bytes
 
 
+def test_a_stored_file_changed_in_place_is_never_linked_into_a_new_engine(tmp_path):
+    cache = EngineCache(tmp_path)
+    a = _build(cache, "static.b1.h64.w64.t77")
+    with open(cache.engine_dir(a.key) / "engine.bin", "r+b") as fh:  # someone edits the weights in place
+        fh.write(b"X")
+    b = _build(cache, "b1-2.h64-96.w64-96.t77.opt1x64x64")
+    pb = cache.engine_dir(b.key) / "engine.bin"
+    assert pb.read_bytes() == WEIGHTS and _inode(pb) != _inode(cache.engine_dir(a.key) / "engine.bin")
+    _verify(cache, b)
+    assert [p.read_bytes() == WEIGHTS for p in cache.stored_weights()] == [True]
+
+
+def test_unshare_gives_a_writer_its_own_copy(tmp_path):
+    from sd_accel.cache.shared import unshare
+
+    cache = EngineCache(tmp_path)
+    a = _build(cache, "static.b1.h64.w64.t77")
+    b = _build(cache, "b1-2.h64-96.w64-96.t77.opt1x64x64")
+    pa = cache.engine_dir(a.key) / "engine.bin"
+    assert unshare(pa) and pa.stat().st_nlink == 1 and not unshare(pa)
+    pa.write_bytes(b"patched")
+    assert (cache.engine_dir(b.key) / "engine.bin").read_bytes() == WEIGHTS
+
+
 def test_unique_bytes_counts_each_inode_once(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 10)
     os.link(tmp_path / "a", tmp_path / "b")

@@ -17,6 +17,9 @@ engine links it. A stored file whose link count is 1 is held by the store alone 
 is gone): ``delete`` and ``prune`` remove it (:meth:`SharedWeights.drop_orphan_weights`). Disk
 use counts each inode once (:func:`unique_bytes`).
 
+**Never write an engine file in place**: with its weights shared, the bytes are every linking
+engine's. A writer (a refit patching weights) writes a copy, or first calls :func:`unshare`.
+
 Where a hard link cannot be made (another filesystem: an engine folder that is a link elsewhere,
 a filesystem without hard links), the engine keeps its own copy and nothing is stored.
 
@@ -38,8 +41,10 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import filecmp
 import hashlib
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -122,11 +127,13 @@ class SharedWeights(CacheFolder):
                 st, mine = stored.stat(), path.stat()
                 if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
                     return True
-                if st.st_size != mine.st_size:  # not the content its name says: replace it with this one
-                    logger.warning("%s does not hold what its name says; storing %s in its place", stored, path)
-                    stored.unlink()
-                else:
+                # Bytes compared, not only the name: a stored file changed in place (by hand) must
+                # never become a new engine's weights.
+                if st.st_size == mine.st_size and filecmp.cmp(stored, path, shallow=False):
                     return self._link_in(stored, path)
+                logger.warning("%s does not hold what its name says (changed in place?); storing %s in its place",
+                               stored, path)
+                stored.unlink()
             try:
                 os.link(path, stored)  # this file becomes the stored one (no copy)
             except OSError as exc:
@@ -214,3 +221,19 @@ class SharedWeights(CacheFolder):
         finally:
             lock.release()
 
+
+def unshare(path: Path) -> bool:
+    """Make ``path`` a file of its own (a copy, swapped in atomically) when it is linked elsewhere
+    (a weight file shared with other engines), so that it can be written in place without changing
+    theirs. Returns whether it copied."""
+    path = Path(path)
+    if os.stat(path).st_nlink <= 1:
+        return False
+    tmp = path.with_name(f".{path.name}.own-{os.getpid()}")
+    try:
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
