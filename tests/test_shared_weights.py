@@ -172,6 +172,20 @@ def test_unshare_gives_a_writer_its_own_copy(tmp_path):
     assert (cache.engine_dir(b.key) / "engine.bin").read_bytes() == WEIGHTS
 
 
+def test_prune_shares_the_weights_of_engines_from_before(tmp_path):
+    cache = EngineCache(tmp_path)
+    old = [_build(cache, p, share=()) for p in ("static.b1.h64.w64.t77", "b1-2.h64-96.w64-96.t77.opt1x64x64")]
+    paths = [cache.engine_dir(r.key) / "engine.bin" for r in old]
+    assert _inode(paths[0]) != _inode(paths[1]) and cache.stored_weights() == []
+    before = cache.disk_usage().total_bytes
+    assert cache.prune(max_bytes=before) == []  # the registry names OpenVINO's engine.bin
+    assert _inode(paths[0]) == _inode(paths[1]) and len(cache.stored_weights()) == 1
+    assert cache.disk_usage().total_bytes == before - len(WEIGHTS)
+    for record in old:
+        _verify(cache, record)
+    assert cache.share_existing() == 0  # once is enough
+
+
 def test_unique_bytes_counts_each_inode_once(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 10)
     os.link(tmp_path / "a", tmp_path / "b")

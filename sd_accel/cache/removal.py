@@ -72,7 +72,8 @@ class Removal(CacheFolder):
         used engines' first, then least-recently-used engines. Intermediates no engine needs
         any more are always removed, and so are shared weight files no engine links any more
         (:mod:`sd_accel.cache.shared`). A weight file several engines share counts once, and is
-        freed with the last of them. Returns the deleted engine records. Skips an engine that is
+        freed with the last of them; engines from before that layout get their weight files shared
+        first (:meth:`share_existing`). Returns the deleted engine records. Skips an engine that is
         being built and whatever a running build may read; never touches broken folders or
         other modules' folders. Also removes temp folders left by dead builds.
 
@@ -86,6 +87,7 @@ class Removal(CacheFolder):
         if max_bytes is not None and max_bytes < 0:
             raise InvalidValue(f"max_bytes must be >= 0, not {max_bytes}")
         now = time.time() if now is None else now
+        self.share_existing()
         records = sorted(self.list(), key=lambda r: r.last_used)
         victims = [r for r in records if older_than_s is not None and now - r.last_used > older_than_s]
         removed = [r for r in victims if self._delete_if_free(r.name)]

@@ -45,7 +45,7 @@ import filecmp
 import hashlib
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -165,6 +165,41 @@ class SharedWeights(CacheFolder):
         logger.info("%s shares its weights with other engines (%s, one copy on disk)", path.parent.name,
                     format_size(stored.stat().st_size))
         return True
+
+    def share_existing(self, weights_files: Callable[[str], Iterable[str]] | None = None) -> int:
+        """Share the weight files of engines already in the cache (built before this layout, or
+        where a link failed then): each engine's files that its backend names
+        (``weights_files(backend)``, default the registry's :func:`~sd_accel.backends.registry.weights_files`)
+        and that no other engine links yet, under the engine's lock (an engine being built or
+        deleted is skipped). The bytes stay the same, so each record stays valid. :meth:`prune`
+        calls this. Returns how many files became links to the store."""
+        if weights_files is None:
+            from ..backends.registry import weights_files as registry_files
+
+            weights_files = registry_files
+        names_of: dict[str, set[str]] = {}
+        shared = 0
+        for record in self.list():
+            backend = record.key.backend
+            if backend not in names_of:
+                names_of[backend] = set(weights_files(backend))
+            folder = self.engine_dir(record.name)
+            todo = []
+            for name in record.files:
+                with contextlib.suppress(OSError):
+                    if name in names_of[backend] and (folder / name).stat().st_nlink == 1:
+                        todo.append(name)
+            if not todo:
+                continue
+            try:
+                lock = self._acquire(record.name, 0, "share the weights of")
+            except EngineError:
+                continue
+            try:
+                shared += self.share_weights(folder, todo)
+            finally:
+                lock.release()
+        return shared
 
     def stored_weights(self) -> builtins.list[Path]:
         """Every ``<sha256>.bin`` in the store."""
