@@ -171,12 +171,30 @@ def build_engines(
         if keep_onnx is False:
             cache.drop_intermediates_of(records)
         elif keep_onnx == "graph":
-            built = {r.key.component for r in records}
-            cache.slim_intermediates_of(records, {name: _tensor_shapes(specs[name].torch_module())
-                                                  for name in built if name in specs})
-            # (several ControlNets share the component name; the first one's shapes stand for all:
-            # their exports stay whole when the shapes differ)
+            keep_graphs_only(cache, records, [specs[n] for n in names])
     return records
+
+
+def keep_graphs_only(cache, records: Sequence, specs: Iterable) -> list:
+    """Keep only the graph of the ONNX exports ``records`` were built from, once the last of a
+    build's engines is built (every path calls this: ``build_engines`` by default, the WebUI's and
+    ComfyUI's builds): the weights, most of an export (3.4 GB of fp32 for SD 1.5's UNet, 7 GB
+    with the residual-taking UNet's), come from the module when another profile is built or an
+    engine is refitted (:func:`sd_accel.onnx.export.full_model`, :func:`sd_accel.onnx.weights.write_full`),
+    with no new export. ``specs``: the component specs built, whose torch modules say which
+    initializers are weights. An export a running build reads is left whole; one whose module's
+    tensors do not match stays whole too. Returns the exports slimmed (the cache's
+    :class:`~sd_accel.cache.intermediates.Intermediate`)."""
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    built = {r.key.component for r in records}
+    for spec in specs:
+        # several ControlNets share the component name; the first one's shapes stand for all
+        # (their exports stay whole when the shapes differ)
+        if spec.name in built and spec.name not in shapes:
+            shapes[spec.name] = _tensor_shapes(spec.torch_module())
+    if not shapes:
+        return []
+    return cache.slim_intermediates_of(records, shapes)
 
 
 def _tensor_shapes(module) -> dict[str, tuple[int, ...]]:
@@ -242,7 +260,8 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
         if be.takes_torch_module:  # (the compiled backend): no ONNX export, no weights paged out
             files, result = _build_module_and_check(be, spec, model, profile, precision, slot.dir, tick, validate_it)
             record = slot.commit(files, spec.shape_ranges(profile), time.perf_counter() - start,
-                                 result.to_dict() if result else None, record_extra(None) if record_extra else {})
+                                 result.to_dict() if result else None, record_extra(None) if record_extra else {},
+                                 share=be.weights_files)
             tick(1.0, "done")
             return record
         tick(0.0, "exporting ONNX")
@@ -275,7 +294,7 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
         if scope:
             fields["int8_scope"] = scope
         record = slot.commit(files, shapes, time.perf_counter() - start, result.to_dict() if result else None,
-                             fields)
+                             fields, share=be.weights_files)
         tick(1.0, "done")
         return record
 

@@ -205,7 +205,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps({"root": str(cache.root), "engines": rows, "broken": broken, "intermediates": extra,
                           "refit_copies": copies, "engines_bytes": usage.engines_bytes,
                           "intermediates_bytes": usage.intermediates_bytes, "refit_bytes": usage.refit_bytes,
-                          "total_bytes": usage.total_bytes}))
+                          "shared_weights_saved_bytes": usage.shared_bytes,
+                          "orphan_weights_bytes": usage.orphan_weights_bytes, "total_bytes": usage.total_bytes}))
         return 0
     if rows:
         _print_table(rows)

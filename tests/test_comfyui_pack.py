@@ -151,6 +151,39 @@ def test_engines_serve_txt2img_keyed_like_the_webui(tmp_path, engine_dir, caplog
 
 
 @pytest.mark.slow
+def test_builds_keep_slim_exports_and_build_another_profile_from_them(tmp_path, engine_dir, caplog):
+    """Issue 46 (disk): the node's builds keep each export's graph only (the residual-taking UNet's
+    too), as ``build_engines`` does; another profile is built from that graph with the MODEL's
+    weights, with no new export, and samples like PyTorch."""
+    import shutil
+
+    from sd_accel.onnx.weights import WEIGHTS_FILE, is_slim
+
+    exports = sorted(p for p in (engine_dir / "onnx").iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert {p.name.split(".")[0] for p in exports} == {"ldm_unet", "ldm_unet_control", "comfy_clip",
+                                                       "ldm_vae_decoder", "ldm_vae_encoder"}
+    for folder in exports:
+        assert is_slim(folder) and (folder / WEIGHTS_FILE).is_file() and not list(folder.glob("*.data")), folder.name
+    copy = tmp_path / "engines"
+    shutil.copytree(engine_dir, copy)  # a profile of its own, without changing the module's engines
+    comfy = harness.start(tmp_path, copy)
+    model, clip, _ = comfy.load()
+    unet_weights = sum(t.numel() * t.element_size() for t in model.model.diffusion_model.state_dict().values())
+    graph = next(p for p in (copy / "onnx").iterdir() if p.is_dir() and p.name.startswith("ldm_unet.")) / "model.onnx"
+    assert sum(f.stat().st_size for f in graph.parent.iterdir()) < 0.25 * unet_weights
+    before = (graph.stat().st_ino, graph.stat().st_mtime_ns)
+    comfy.node("SdAccelBuildEngines").build(model, **{**BUILD, "components": "unet", "height": "64-96",
+                                                       "width": "64-96"})
+    assert "weights into the graph of ldm_unet" in caplog.text
+    assert (graph.stat().st_ino, graph.stat().st_mtime_ns) == before and is_slim(graph.parent)  # no new export
+    engines = comfy.node("SdAccelApplyEngines").apply(model)[0]
+    caplog.clear()
+    torch.testing.assert_close(comfy.sample(engines, clip, steps=2, size=80), comfy.sample(model, clip, steps=2, size=80),
+                               atol=2e-3, rtol=2e-3)
+    assert "2 on engines, 0 in PyTorch" in _unet_calls(caplog)
+
+
+@pytest.mark.slow
 def test_lora_refits_at_two_strengths_and_is_never_stale(tmp_path, engine_dir, caplog, monkeypatch):
     comfy = harness.start(tmp_path, engine_dir)
     from sd_accel.comfyui import unet as comfy_unet  # (the pack's modules as start() imported them)

@@ -59,6 +59,10 @@ class Backend:
     # Whether its runners read the pipeline's live torch weights on every call (a compiled module):
     # a weight change then needs no refit and is never stale, and the weights stay where they are.
     reads_live_weights: bool = False
+    # The engine files that hold its weights and nothing tied to the profile (OpenVINO's
+    # ``engine.bin``): the cache stores each once by content and hard-links it into every engine
+    # folder with the same bytes (sd_accel.cache.shared). Empty: every engine keeps its own files.
+    weights_files: tuple[str, ...] = ()
 
     def info(self) -> BackendInfo:
         raise NotImplementedError

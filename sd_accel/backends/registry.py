@@ -116,6 +116,15 @@ def create(name: str, cache_root: Path | None = None):
     return importlib.import_module(entry(name).module).create(cache_root)
 
 
+def weights_files(name: str) -> tuple[str, ...]:
+    """The engine files of backend ``name`` that hold its weights (``Backend.weights_files``: the
+    cache stores each once across engines); () for a backend that is not here or names none."""
+    try:
+        return tuple(create(name).weights_files)
+    except Exception:  # noqa: BLE001  (a backend that does not import here: its engines are not shared)
+        return ()
+
+
 def auto_order(device: str | None = None, live_modules: bool = True) -> tuple[str, ...]:
     """The backends ``auto`` tries, in order, for ``device`` (``cuda``, ``cuda:1``, ``cpu``, ``mps``;
     default: CUDA when torch sees a GPU, else the CPU). Every non-CUDA device takes the CPU order:

@@ -76,9 +76,12 @@ class EngineIndex(CacheFolder):
         return self._snapshot().broken
 
     def total_size(self) -> int:
-        """Bytes of engine files in listed engines (meta.json and broken folders not counted).
-        What the cache holds on disk in all, intermediates included: :meth:`disk_usage`."""
-        return sum(r.size_bytes for r in self.list())
+        """Bytes on disk of engine files in listed engines (meta.json and broken folders not
+        counted; a weight file shared by several engines counted once). What the cache holds on
+        disk in all, intermediates included: :meth:`disk_usage`."""
+        from .shared import unique_bytes
+
+        return unique_bytes(self.engine_dir(r.name) / f for r in self.list() for f in r.files)
 
     def rebuild_index(self) -> builtins.list[EngineRecord]:
         """Forget the index and write it again from the folders' meta.json files."""

@@ -25,6 +25,7 @@ from .record import (
     EngineRecord,
 )
 from .refits import RefitCopy, refit_copies
+from .shared import unique_bytes
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,11 @@ class DiskUsage:
     """
 
     engines: int
-    engines_bytes: int
+    engines_bytes: int  # on disk: a weight file shared by several engines counted once
     intermediates: tuple[Intermediate, ...]
     refit_copies: tuple[RefitCopy, ...] = ()  # LoRA refits' engine copies (sd_accel.cache.refits)
+    engines_file_bytes: int | None = None  # the engines' files as each engine lists them (shared ones in each)
+    orphan_weights_bytes: int = 0  # shared weights no engine links any more (delete / prune remove them)
 
     @property
     def intermediates_bytes(self) -> int:
@@ -50,11 +53,21 @@ class DiskUsage:
 
     @property
     def total_bytes(self) -> int:
-        return self.engines_bytes + self.intermediates_bytes + self.refit_bytes
+        return self.engines_bytes + self.orphan_weights_bytes + self.intermediates_bytes + self.refit_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        """What sharing weights across engines saves: their files' sizes less what is on disk."""
+        files = self.engines_bytes if self.engines_file_bytes is None else self.engines_file_bytes
+        return max(0, files - self.engines_bytes)
 
     def describe(self) -> str:
         """One line for faces: engines, intermediates and the total."""
         line = f"{self.engines} engine{'s' if self.engines != 1 else ''}, {format_size(self.engines_bytes)}"
+        if self.shared_bytes:
+            line += f" (weights shared across engines: {format_size(self.shared_bytes)} not stored twice)"
+        if self.orphan_weights_bytes:
+            line += f" + weights no engine holds {format_size(self.orphan_weights_bytes)} (removed by delete/prune)"
         if self.intermediates:
             unused = sum(i.size_bytes for i in self.intermediates if i.unused)
             line += (f" + intermediates {format_size(self.intermediates_bytes)} (ONNX exports, calibration data"
@@ -78,11 +91,14 @@ class KeptIntermediates(CacheFolder):
         return scan(self.root, self.list(), self._components_building())
 
     def disk_usage(self) -> DiskUsage:
-        """Engines plus intermediates: what ``list``, the panel and the WebUI API count."""
+        """Engines plus intermediates: what ``list``, the panel and the WebUI API count. A weight
+        file several engines share (:mod:`sd_accel.cache.shared`) counts once."""
         records = self.list()
-        return DiskUsage(len(records), sum(r.size_bytes for r in records),
-                         tuple(scan(self.root, records, self._components_building())),
-                         tuple(refit_copies(self.root)))
+        files = [self.engine_dir(r.name) / f for r in records for f in r.files]
+        return DiskUsage(len(records), unique_bytes(files), tuple(scan(self.root, records, self._components_building())),
+                         refit_copies=tuple(refit_copies(self.root)),
+                         engines_file_bytes=sum(r.size_bytes for r in records),
+                         orphan_weights_bytes=self.orphan_weights_bytes())
 
     def refit_copies(self) -> builtins.list[RefitCopy]:
         """The LoRA refits' engine copies under ``<root>/.refit`` (:mod:`sd_accel.cache.refits`)."""

@@ -32,7 +32,9 @@ class Removal(CacheFolder):
 
     def delete(self, name_or_key: str | EngineKey, timeout: float = DEFAULT_DELETE_WAIT_S) -> bool:
         """Remove an engine's folder and index entry under its lock, then every intermediate no
-        engine needs any more (:meth:`drop_unused_intermediates`). False if there was no engine.
+        engine needs any more (:meth:`drop_unused_intermediates`) and the shared weights no engine
+        links any more (:meth:`drop_orphan_weights`: weights another engine shares stay). False if
+        there was no engine.
 
         Works on broken folders too. ValueError for a name that is not an engine's.
 
@@ -42,6 +44,7 @@ class Removal(CacheFolder):
         existed = self._delete_engine(name_or_key, timeout)
         if existed:
             self.drop_unused_intermediates()
+            self.drop_orphan_weights()
         return existed
 
     def _delete_engine(self, name_or_key: str | EngineKey, timeout: float) -> bool:
@@ -68,7 +71,10 @@ class Removal(CacheFolder):
         (engines plus intermediates, :meth:`disk_usage`) to at most ``max_bytes``: first the
         intermediates kept for engines that stay (an engine runs without them), least recently
         used engines' first, then least-recently-used engines. Intermediates no engine needs
-        any more are always removed. Returns the deleted engine records. Skips an engine that is
+        any more are always removed, and so are shared weight files no engine links any more
+        (:mod:`sd_accel.cache.shared`). A weight file several engines share counts once, and is
+        freed with the last of them; engines from before that layout get their weight files shared
+        first (:meth:`share_existing`). Returns the deleted engine records. Skips an engine that is
         being built and whatever a running build may read; never touches broken folders or
         other modules' folders. Also removes temp folders left by dead builds, and the refit
         copies of processes that are gone (:mod:`sd_accel.cache.refits`; those of running
@@ -85,10 +91,12 @@ class Removal(CacheFolder):
             raise InvalidValue(f"max_bytes must be >= 0, not {max_bytes}")
         now = time.time() if now is None else now
         remove_stale(self.root)
+        self.share_existing()
         records = sorted(self.list(), key=lambda r: r.last_used)
         victims = [r for r in records if older_than_s is not None and now - r.last_used > older_than_s]
         removed = [r for r in victims if self._delete_if_free(r.name)]
         self.drop_unused_intermediates()
+        self.drop_orphan_weights()
         if max_bytes is not None:
             removed += self._prune_to(max_bytes)
         self._remove_dead_leftovers()
@@ -114,8 +122,9 @@ class Removal(CacheFolder):
                 break
             if self._delete_if_free(record.name):
                 removed.append(record)
-                total -= record.size_bytes
-                total -= sum(i.size_bytes for i in self.drop_unused_intermediates())
+                self.drop_unused_intermediates()
+                self.drop_orphan_weights()
+                total = self.disk_usage().total_bytes  # weights another engine shares were not freed
         return removed
 
     def _delete_if_free(self, name: str) -> bool:

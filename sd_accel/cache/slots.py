@@ -56,11 +56,15 @@ class BuildSlot:
         build_seconds: float,
         validation: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        share: Iterable[str] = (),
     ) -> EngineRecord:
         """Store the engine: checksum, meta.json, rename into place, index. Returns its record.
 
         ``files`` are paths inside :attr:`dir` (absolute or relative); None takes every file
         there. A ``validation`` with ``ok`` False stores the engine with status "bad".
+        ``share``: the names among ``files`` that hold the engine's weights (the backend's
+        ``weights_files``): each is stored once by content and hard-linked here, so engines with
+        the same weights hold one copy on disk (:mod:`sd_accel.cache.shared`).
 
         ``slot.commit(["engine.plan"], shapes, 41.0, {"max_abs": 2e-3, "ok": True})``: the example
         of :mod:`sd_accel.cache.store` runs a build slot to its commit.
@@ -68,6 +72,9 @@ class BuildSlot:
         if not self._open or self.record is not None:
             raise EngineError(f"The build slot of {self.key.name} is closed or already committed.")
         names = self._relative(files)
+        wanted = set(share)
+        if wanted:
+            self._cache.share_weights(self.dir, [n for n in names if n in wanted])
         created = time.time()
         validation = plain_json(validation)
         ok = validation is None or bool(validation.get("ok", True))

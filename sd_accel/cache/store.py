@@ -11,6 +11,9 @@ Layout under the root::
     <root>/.locks/<key.name>.lock      held while that engine is built or deleted
     <root>/.locks/index.lock           held for each index / meta.json update (milliseconds)
     <root>/.tmp-<key.name>-<pid>/      a build in progress; renamed into place on commit
+    <root>/weights/<sha256>.bin        large weight files by content (an OpenVINO engine's engine.bin),
+                                       hard-linked into every engine folder that holds them: one
+                                       copy on disk across profiles (:mod:`sd_accel.cache.shared`)
     <root>/onnx/, <root>/calibration/  intermediates other modules write (ONNX exports, int8
                                        calibration data): counted, and removed when no engine
                                        needs them (:mod:`sd_accel.cache.intermediates`)
@@ -56,10 +59,11 @@ from .index import EngineIndex
 from .kept import DiskUsage, KeptIntermediates
 from .record import BrokenEngine, EngineRecord
 from .removal import Removal
+from .shared import SharedWeights
 from .slots import BuildSlot, BuildSlots
 
 
-class EngineCache(KeptIntermediates, Removal, BuildSlots, EngineIndex, CacheFolder):
+class EngineCache(KeptIntermediates, Removal, BuildSlots, SharedWeights, EngineIndex, CacheFolder):
     """Engine files on disk under ``root`` (default :func:`sd_accel.paths.default_engine_dir`).
 
     Every method reads the disk afresh (no state is shared between instances or processes),
@@ -74,8 +78,9 @@ class EngineCache(KeptIntermediates, Removal, BuildSlots, EngineIndex, CacheFold
 
     The facade over the cache's parts, one module each: the root and its locks
     (:mod:`~sd_accel.cache.folder`), the index (:mod:`~sd_accel.cache.index`), build slots and
-    install (:mod:`~sd_accel.cache.slots`), delete and prune (:mod:`~sd_accel.cache.removal`), and
-    the intermediates (:mod:`~sd_accel.cache.kept`).
+    install (:mod:`~sd_accel.cache.slots`), delete and prune (:mod:`~sd_accel.cache.removal`), the
+    weights shared across engines (:mod:`~sd_accel.cache.shared`), and the intermediates
+    (:mod:`~sd_accel.cache.kept`).
     """
 
 

@@ -173,9 +173,11 @@ def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile
 
     Raises :class:`~sd_accel.core.InvalidValue` for what cannot be built (a missing MODEL or VAE,
     an unusable backend: the message says what it needs), ComfyUI's interrupt exception when the
-    user cancels."""
+    user cancels. The ONNX exports the engines were built from keep their graph only
+    (:func:`~sd_accel.build.keep_graphs_only`): another profile or a LoRA refit takes the weights
+    from the loaded module."""
     from sd_accel.backends.registry import check_precision, get_backend
-    from sd_accel.build import run_jobs
+    from sd_accel.build import keep_graphs_only, run_jobs
     from sd_accel.core import BuildCancelled
 
     st = st or state()
@@ -228,6 +230,7 @@ def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile
             with torch.no_grad():
                 records = run_jobs(jobs, cache, be, progress=progress, cancel=cancel, validate=validate,
                                    context=lambda job: _context(modules[id(job.spec)]))
+            keep_graphs_only(cache, records, [p.spec for p in parts])
         except BuildCancelled:
             host.raise_if_interrupted()
             raise

@@ -183,10 +183,12 @@ def build_loaded(
     Returns the cache records; ``skipped`` (a list) receives "component (why)" for each component
     this model has no module for. Raises :class:`~sd_accel.build.BuildCancelled` when ``cancel``
     is set, :class:`EngineError` when a build or its validation fails. An ONNX export that no
-    engine ended up using (a failed build) is removed again.
+    engine ended up using (a failed build) is removed again; the exports the engines were built
+    from keep their graph only (:func:`~sd_accel.build.keep_graphs_only`: another profile or a
+    LoRA refit takes the weights from the loaded module, as in the diffusers path).
     """
     from sd_accel.backends.registry import check_precision
-    from sd_accel.build import run_jobs
+    from sd_accel.build import keep_graphs_only, run_jobs
     from sd_accel.webui.controller import controller, webui_backend
 
     be = webui_backend(backend_name, cache_root=cache.root)
@@ -211,8 +213,10 @@ def build_loaded(
             with contextlib.ExitStack() as stack:
                 stack.enter_context(no_sd_unet())
                 stack.enter_context(plain_webui_attention())
-                return run_jobs(jobs, cache, be, progress=progress or False, cancel=cancel, validate=validate,
-                                context=lambda job: module_context(modules[id(job.spec)]))
+                records = run_jobs(jobs, cache, be, progress=progress or False, cancel=cancel, validate=validate,
+                                   context=lambda job: module_context(modules[id(job.spec)]))
+            keep_graphs_only(cache, records, [job.spec for job in components_to_build])
+            return records
         finally:
             cache.drop_unused_intermediates()  # the export of a build that failed
 

@@ -145,6 +145,7 @@ class OpenVinoBackend(Backend):
     torch_device = "cpu"
     int8_scopes = SCOPES  # widest first: the build falls back to the next when validation fails
     patches_weights = True  # engine.bin holds the MatMul / Conv weights the compiled blob reads
+    weights_files = (WEIGHTS_FILE,)  # the same bytes in every profile of one weight set: stored once
 
     def info(self) -> BackendInfo:
         try:
