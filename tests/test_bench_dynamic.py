@@ -1,0 +1,43 @@
+"""scripts/bench_dynamic.py's tiny mode: a dynamic engine's speed against torch at min / opt / max."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openvino")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_dynamic", ROOT / "scripts" / "bench_dynamic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_tiny_bench_times_each_point_against_torch_with_fixed_and_static_rows(tmp_path, monkeypatch):
+    monkeypatch.delenv("SD_ACCEL_OV_FIXED_SHAPES", raising=False)
+    bench = _script()
+    out = tmp_path / "report.json"
+    report = bench.main(["--repeats", "1", "--precision", "fp32", "--engine-dir", str(tmp_path / "engines"),
+                         "--out", str(out)])
+    assert json.loads(out.read_text())["points"].keys() == {"min", "opt", "max"}
+    points = report["points"]
+    assert points["opt"]["same_as"] == "min"  # the tiny profile's min is its opt: measured once
+    assert (points["max"]["height"], points["max"]["tokens"], points["max"]["unet_batch"]) == (96, 154, 2)
+    for point in ("min", "max"):
+        row = points[point]
+        assert row["torch_ms"] > 0
+        for label in ("dynamic", "fixed"):
+            assert row[label]["x_torch"] == pytest.approx(row["torch_ms"] / row[label]["ms"])
+            assert row[label]["rel_l2"] < 1e-3  # fp32 engines compute what torch does
+    assert "static" in points["max"] and "static" not in points["min"]
+    assert points["max"]["static"]["rel_l2"] < 1e-3
+    table = bench.table(report)
+    assert "| max | 96x96 px, 154 (2) |" in table and "x torch" in table
