@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from support.scripts import load
+
 pytest.importorskip("openvino")
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_dynamic", ROOT / "scripts" / "bench_dynamic.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
 def test_tiny_bench_times_each_point_against_torch_with_fixed_and_static_rows(tmp_path, monkeypatch):
     monkeypatch.delenv("SD_ACCEL_OV_FIXED_SHAPES", raising=False)
-    bench = _script()
+    bench = load("bench_dynamic")
     out = tmp_path / "report.json"
     report = bench.main(["--repeats", "1", "--precision", "fp32", "--engine-dir", str(tmp_path / "engines"),
                          "--out", str(out)])
