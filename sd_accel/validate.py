@@ -393,6 +393,7 @@ def _max_plan(spec, profile: Profile, opt_dims: dict | None, max_dims: dict, opt
            f"{min(opt_kept or 0, weights, opt_growth) / 2**30:.2f} GiB of it held after it (weights), the rest "
            f"x{ratio:.1f} the size), {free / 2**30:.1f} GiB available")
     if full <= free:
+        log.info("validation of %s at the max shape: %s", spec.name, why)
         return max_dims, ""
     candidates = []
     keys = _batch_keys(max_dims)
