@@ -498,6 +498,9 @@ def validate(
                 ref = reference(ref_module, feed, items, whole=spec.unbatched())
             if label == "opt":
                 opt_growth, opt_kept = sampler.growth, sampler.kept
+            if sampler.growth is not None and label in ("opt", "max"):
+                log.info("validation of %s at %s: RSS grew %.2f GiB while it ran (%.2f GiB still held after)",
+                         spec.name, label, sampler.growth / 2**30, (sampler.kept or 0) / 2**30)
             checked.append(label)
             err_abs, err_rel, per_item, bad = _errors(names, got, ref)
             base = ((baseline or {}).get("item_rel") or {}).get(label) or []
