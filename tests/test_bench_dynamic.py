@@ -27,6 +27,7 @@ def test_tiny_bench_times_each_point_against_torch_with_fixed_and_static_rows(tm
         assert row["torch_ms"] > 0
         for label in ("dynamic", "fixed"):
             assert row[label]["x_torch"] == pytest.approx(row["torch_ms"] / row[label]["ms"])
+            assert row[label]["x_torch_fastest"] == pytest.approx(min(row["torch_times_ms"]) / min(row[label]["times_ms"]))
             assert row[label]["rel_l2"] < 1e-3  # fp32 engines compute what torch does
     assert "static" in points["max"] and "static" not in points["min"]
     assert points["max"]["static"]["rel_l2"] < 1e-3
