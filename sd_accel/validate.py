@@ -13,12 +13,14 @@ guidance, 768 px, 154 tokens), so:
   every backend, so its memory grows linearly with the shape;
 - before the max point, the memory the opt point took (engine and reference, RSS sampled while
   it runs) is split in two: what stayed held after it, up to the size of the weights (the engine's
-  first call copies its weights into the runtime's own buffers: OpenVINO's bf16 SD 1.5 UNet holds
-  1.7 GB more after its first call, at any shape), which a bigger shape does not take again, and
+  first call copies its weights into the runtime's own buffers: OpenVINO's bf16 SD 1.5 UNet held
+  1.49 GiB more after its opt point, of the 1.63 GiB it grew), which a bigger shape does not take
+  again, and
   the rest (activations, the reference's and the engine's), which grows with the shape. Only the
-  rest is scaled by the max/opt size ratio, with headroom (:func:`max_point_need`). Scaling the
-  whole growth had SD 1.5's dynamic-512-768 UNet estimated at 36.5 GiB with 10.9 GiB available,
-  so its max shape was never checked. When the max shape does not fit in the memory available
+  rest is scaled by the max/opt size ratio, with headroom (:func:`max_point_need`): 1.6 GiB for
+  that UNet's dynamic-512-768 max (batch 8, 768 px, 154 tokens), checked in full. Scaling the
+  whole growth gave 20 GiB there (36.5 GiB in a ComfyUI with 10.9 GiB available), so the max
+  shape was never checked. When the max shape does not fit in the memory available
   now, a smaller batch at the max image size is checked, else a smaller image size at the max
   tokens and smallest batch, and the record says which (``reduced``: the dims used and why);
   only when none fits is max skipped (``skipped``) instead of the kernel's OOM killer ending
