@@ -13,14 +13,13 @@ guidance, 768 px, 154 tokens), so:
   every backend, so its memory grows linearly with the shape;
 - before the max point, the memory the opt point took (engine and reference, RSS sampled while
   it runs) is split in two: what stayed held after it, up to the size of the weights (the engine's
-  first call copies its weights into the runtime's own buffers: OpenVINO's bf16 SD 1.5 UNet held
-  1.49 GiB more after its opt point, of the 1.63 GiB it grew), which a bigger shape does not take
-  again, and
+  first call copies its weights into the runtime's own buffers; the runner says how much:
+  ``once_bytes``, OpenVINO's engine.bin), which a bigger shape does not take again, and
   the rest (activations, the reference's and the engine's), which grows with the shape. Only the
-  rest is scaled by the max/opt size ratio, with headroom (:func:`max_point_need`): 1.6 GiB for
-  that UNet's dynamic-512-768 max (batch 8, 768 px, 154 tokens), checked in full. Scaling the
-  whole growth gave 20 GiB there (36.5 GiB in a ComfyUI with 10.9 GiB available), so the max
-  shape was never checked. When the max shape does not fit in the memory available
+  rest is scaled by the max/opt size ratio, with headroom (:func:`max_point_need`): 8.2 GiB for
+  SD 1.5's dynamic-512-768 max (batch 8, 768 px, 154 tokens) in OpenVINO bf16, which took 3.3 GiB
+  and was checked in full. Scaling the whole growth, weights included, gave 36.5 GiB in a
+  ComfyUI with 10.9 GiB available, so the max shape was never checked. When the max shape does not fit in the memory available
   now, a smaller batch at the max image size is checked, else a smaller image size at the max
   tokens and smallest batch, and the record says which (``reduced``: the dims used and why);
   only when none fits is max skipped (``skipped``) instead of the kernel's OOM killer ending
@@ -44,6 +43,7 @@ import torch
 
 from sd_accel.onnx.attention import sdpa_attention
 from sd_accel.onnx.export import fp32_on
+from sd_accel.pages import trim_heap
 from sd_accel.profiles import Profile
 
 log = logging.getLogger("sd_accel")
@@ -325,13 +325,20 @@ def _elements(spec, dims: dict[str, int]) -> int:
     return sum(math.prod(shape) for shape in spec.shapes(dims).values())
 
 
-def max_point_need(opt_growth: int, opt_kept: int | None, weights: int, ratio: float) -> int:
+def max_point_need(opt_growth: int, opt_kept: int | None, weights: int, ratio: float, per_shape: int = 0) -> int:
     """Bytes the max point is expected to take: the opt point's RSS growth less what it kept, up to
-    ``weights`` (what a first call loads once: it is held already and a bigger shape does not load
-    it again), scaled by the max/opt size ratio, with :data:`HEADROOM`.
+    ``weights`` (what the engine's first call loads once, as its runner says: it is held already
+    and a bigger shape does not load it again), scaled by the max/opt size ratio, with
+    :data:`HEADROOM`; plus ``per_shape`` (what a call at a new shape loads besides: OpenVINO's
+    fixed shapes compile another copy of the weights).
 
     Kept memory past the weights (a runtime's pooled activations) is counted as growing with
-    the shape; ``opt_kept`` None (not measured) scales the whole growth.
+    the shape; ``opt_kept`` None (not measured) scales the whole growth. Measured on SD 1.5's
+    UNet, OpenVINO bf16, dynamic-512-768: the opt point grew 2.27 GiB and kept 2.14 GiB, 1.60 GiB
+    of it the weights (engine.bin); estimate 8.2 GiB for the max (batch 8, 768 px, 154 tokens),
+    which grew 3.27 GiB. The cap matters: a runtime keeps its activations' buffers too (3.0 GiB of
+    those 3.27 stayed held), so counting all that the opt point kept as weights (as an fp32-size
+    cap of 3.2 GiB did) estimated 1.6 GiB.
 
     >>> GiB = 2**30
     >>> max_point_need(3 * GiB, 2 * GiB, 2 * GiB, 2.0) / GiB  # 1 GiB of activations, x2, x1.5
@@ -344,7 +351,7 @@ def max_point_need(opt_growth: int, opt_kept: int | None, weights: int, ratio: f
     9.0
     """
     fixed = 0 if opt_kept is None else min(max(0, int(opt_kept)), max(0, int(weights)), opt_growth)
-    return int((opt_growth - fixed) * ratio * HEADROOM)
+    return int((opt_growth - fixed) * ratio * HEADROOM) + max(0, int(per_shape))
 
 
 def _batch_keys(dims: dict[str, int]) -> list[str]:
@@ -374,7 +381,7 @@ def _shrunk(spec, profile: Profile, fraction: float) -> dict[str, int] | None:
 
 
 def _max_plan(spec, profile: Profile, opt_dims: dict | None, max_dims: dict, opt_growth: int | None,
-              opt_kept: int | None, weights: int) -> tuple[dict | None, str]:
+              opt_kept: int | None, weights: int, per_shape: int = 0) -> tuple[dict | None, str]:
     """(the dims to check the max point at, why they are not the max shape's ("" when they are));
     (None, why) when nothing fits in the memory available now. Unjudged (no /proc): the max shape.
 
@@ -388,7 +395,7 @@ def _max_plan(spec, profile: Profile, opt_dims: dict | None, max_dims: dict, opt
 
     def need(dims: dict) -> tuple[int, float]:
         ratio = _elements(spec, dims) / base
-        return max_point_need(opt_growth, opt_kept, weights, ratio), ratio
+        return max_point_need(opt_growth, opt_kept, weights, ratio, per_shape), ratio
 
     full, ratio = need(max_dims)
     why = (f"estimated {full / 2**30:.1f} GiB for the max shape (the opt shape took {opt_growth / 2**30:.2f} GiB, "
@@ -480,11 +487,12 @@ def validate(
     module = spec.torch_module()
     with fp32_on(module, device), sdpa_attention(module), torch.no_grad():
         ref_module = spec.export_module()
-        # what an engine's first call may load once (at most an fp32 copy of these weights)
-        weights = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+        # what the engine's first call loads once, whatever the shape (its weights, where the runner
+        # says: OpenVINO's copies engine.bin's), and what a call at a new shape loads besides
+        weights, per_shape = int(getattr(runner, "once_bytes", 0) or 0), int(getattr(runner, "per_shape_bytes", 0) or 0)
         for i, (label, dims) in enumerate(points.items()):
             if label == "max" and device == "cpu":
-                dims, why = _max_plan(spec, profile, points.get("opt"), dims, opt_growth, opt_kept, weights)
+                dims, why = _max_plan(spec, profile, points.get("opt"), dims, opt_growth, opt_kept, weights, per_shape)
                 if dims is None:
                     log.warning("validation of %s at the max shape skipped: %s", spec.name, why)
                     skipped[label] = why
@@ -495,6 +503,7 @@ def validate(
             feed = spec.sample_feed(dims, seed=seeds.get(label, i), device=device) if feeds is None else {
                 k: v.to(device) for k, v in feeds[i].items()
             }
+            trim_heap()  # freed heap glibc keeps would hide what the point allocates from RSS
             with _PeakSampler() as sampler:
                 got = runner.infer(feed)
                 ref = reference(ref_module, feed, items, whole=spec.unbatched())

@@ -122,8 +122,12 @@ def test_fixed_shapes_compile_per_call_shape_match_the_dynamic_engine_and_are_ke
     assert dynamic.graph is None
     want = [dynamic.infer(f)["latent"] for f in feeds]
     assert not dynamic.fixed and dynamic.fixed_compiles == 0
+    weights = (folder / "engine.bin").stat().st_size
+    assert dynamic.once_bytes == 0 and dynamic.per_shape_bytes == 0  # (it has run: its weights are loaded)
+    assert OpenVinoBackend().load(folder, record.files, record.shapes).once_bytes == weights  # not yet
     monkeypatch.setenv(runner_mod.FIXED_SHAPES_ENV, "1")
     fixed = OpenVinoBackend().load(folder, record.files, record.shapes)
+    assert fixed.once_bytes == fixed.per_shape_bytes == weights  # each shape compiled holds a copy
     got = []
     for f in feeds:
         got.append(fixed.infer(f)["latent"])

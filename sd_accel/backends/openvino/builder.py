@@ -303,4 +303,6 @@ class OpenVinoBackend(Backend):
             raise EngineError(
                 f"OpenVINO could not load the engine in {engine_dir} ({exc}); delete it and build again"
             ) from exc
-        return OpenVinoRunner(compiled, shapes, mapped=engine_dir if meta.get("weights") else None, **fixed)
+        weights = engine_dir / meta["weights"] if meta.get("weights") else None
+        return OpenVinoRunner(compiled, shapes, mapped=engine_dir if weights else None,
+                              weights_bytes=weights.stat().st_size if weights else 0, **fixed)

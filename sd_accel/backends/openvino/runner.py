@@ -47,10 +47,13 @@ class OpenVinoRunner:
     again from the file)."""
 
     def __init__(self, compiled, shapes: ShapeRanges, mapped: Path | None = None, graph: Path | None = None,
-                 config: dict[str, str] | None = None) -> None:
+                 config: dict[str, str] | None = None, weights_bytes: int = 0) -> None:
         self.compiled = compiled
         self.shapes = shapes
         self.mapped = mapped
+        # the weights the plugin copies into its own buffers on the first call (engine.bin's size;
+        # 0: unknown): what validation's memory estimate does not scale with the shape
+        self.weights_bytes = weights_bytes
         # fixed shapes (see the module's notes): the engine's graph, its compile options, and the
         # compiled shapes kept, most recent last: shape key -> (compiled, request, output names)
         dynamic = any(lo != hi for lo, _, hi in shapes.values())
@@ -71,6 +74,18 @@ class OpenVinoRunner:
             raise EngineError(f"the engine's inputs {[sorted(p.get_names()) for p in compiled.inputs]} "
                               f"do not match {sorted(shapes)}")
         self.output_names = [self._public_name(p.get_names()) for p in compiled.outputs]
+
+    @property
+    def once_bytes(self) -> int:
+        """Bytes the next call loads and keeps whatever its shape: the weights, before the first
+        call (0 after it, or where unknown). See :func:`sd_accel.validate.max_point_need`."""
+        return self.weights_bytes if (self.mapped is not None or (self.graph is not None and not self.fixed)) else 0
+
+    @property
+    def per_shape_bytes(self) -> int:
+        """Bytes a call at a shape not compiled yet keeps besides its activations: with fixed
+        shapes, another copy of the weights (the compile for that shape); else 0."""
+        return self.weights_bytes if self.graph is not None else 0
 
     @staticmethod
     def _public_name(names: set[str]) -> str:
