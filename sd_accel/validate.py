@@ -16,8 +16,8 @@ guidance, 768 px, 154 tokens), so:
   first call copies its weights into the runtime's own buffers; the runner says how much:
   ``once_bytes``, OpenVINO's engine.bin), which a bigger shape does not take again, and
   the rest (activations, the reference's and the engine's), which grows with the shape. Only the
-  rest is scaled by the max/opt size ratio, with headroom (:func:`max_point_need`): 8.2 GiB for
-  SD 1.5's dynamic-512-768 max (batch 8, 768 px, 154 tokens) in OpenVINO bf16, which took 3.3 GiB
+  rest is scaled by the max/opt size ratio, with headroom (:func:`max_point_need`): 7.5 GiB for
+  SD 1.5's dynamic-512-768 max (batch 8, 768 px, 154 tokens) in OpenVINO bf16, which took 3.4 GiB
   and was checked in full. Scaling the whole growth, weights included, gave 36.5 GiB in a
   ComfyUI with 10.9 GiB available, so the max shape was never checked. When the max shape does not fit in the memory available
   now, a smaller batch at the max image size is checked, else a smaller image size at the max
@@ -334,11 +334,11 @@ def max_point_need(opt_growth: int, opt_kept: int | None, weights: int, ratio: f
 
     Kept memory past the weights (a runtime's pooled activations) is counted as growing with
     the shape; ``opt_kept`` None (not measured) scales the whole growth. Measured on SD 1.5's
-    UNet, OpenVINO bf16, dynamic-512-768: the opt point grew 2.27 GiB and kept 2.14 GiB, 1.60 GiB
-    of it the weights (engine.bin); estimate 8.2 GiB for the max (batch 8, 768 px, 154 tokens),
-    which grew 3.27 GiB. The cap matters: a runtime keeps its activations' buffers too (3.0 GiB of
-    those 3.27 stayed held), so counting all that the opt point kept as weights (as an fp32-size
-    cap of 3.2 GiB did) estimated 1.6 GiB.
+    UNet, OpenVINO bf16, dynamic-512-768 (scripts/BENCHMARKS.md): the opt point grew 2.21 GiB
+    and kept 2.08 GiB, 1.60 GiB of it the weights (engine.bin); estimate 7.5 GiB for the max
+    (batch 8, 768 px, 154 tokens), which grew 3.36 GiB. The cap matters: a runtime keeps its
+    activations' buffers too (3.06 GiB of those 3.36 stayed held), so counting all that the opt
+    point kept as weights (an fp32-size cap of 3.2 GiB did) estimated 1.6 GiB.
 
     >>> GiB = 2**30
     >>> max_point_need(3 * GiB, 2 * GiB, 2 * GiB, 2.0) / GiB  # 1 GiB of activations, x2, x1.5
