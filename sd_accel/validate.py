@@ -12,9 +12,18 @@ guidance, 768 px, 154 tokens), so:
 - the engine runs the full max shape (that is what is being checked); its attention is fused on
   every backend, so its memory grows linearly with the shape;
 - before the max point, the memory the opt point took (engine and reference, RSS sampled while
-  it runs) is scaled by the max/opt size ratio, with headroom; when that does not
-  fit in the memory available now, max is skipped and the record says so (``skipped``) instead
-  of the kernel's OOM killer ending the build.
+  it runs) is split in two: what stayed held after it, up to the size of the weights (the engine's
+  first call copies its weights into the runtime's own buffers; the runner says how much:
+  ``once_bytes``, OpenVINO's engine.bin), which a bigger shape does not take again, and
+  the rest (activations, the reference's and the engine's), which grows with the shape. Only the
+  rest is scaled by the max/opt size ratio, with headroom (:func:`max_point_need`): 7.5 GiB for
+  SD 1.5's dynamic-512-768 max (batch 8, 768 px, 154 tokens) in OpenVINO bf16, which took 3.4 GiB
+  and was checked in full. Scaling the whole growth, weights included, gave 36.5 GiB in a
+  ComfyUI with 10.9 GiB available, so the max shape was never checked. When the max shape does not fit in the memory available
+  now, a smaller batch at the max image size is checked, else a smaller image size at the max
+  tokens and smallest batch, and the record says which (``reduced``: the dims used and why);
+  only when none fits is max skipped (``skipped``) instead of the kernel's OOM killer ending
+  the build.
 
 A check of a narrower change can ask for less (``items``, ``points``): a refit that only wrote new
 weights into a copy of an already validated engine (:func:`sd_accel.refit._patched`) can get the
@@ -34,6 +43,7 @@ import torch
 
 from sd_accel.onnx.attention import sdpa_attention
 from sd_accel.onnx.export import fp32_on
+from sd_accel.pages import trim_heap
 from sd_accel.profiles import Profile
 
 log = logging.getLogger("sd_accel")
@@ -68,7 +78,8 @@ FLOAT_PICTURE_CEILING = {"bf16": 0.1, "fp16": 0.06}
 # Per residual, a bf16 ControlNet (SD 1.5 architecture, random weights, 512 px) is 6.1e-2 off at
 # its deepest levels (0.4e-2 at the first), over the 5e-2 gate; the UNet it feeds moves by 1.3e-2,
 # and 8 steps of it cost the image 0.1 dB against the fp32 ControlNet (48.93 vs 49.04 dB).
-# Max-point memory estimate = opt-point growth x size ratio x this, against what is available.
+# Max-point memory estimate = the part of the opt point's growth that grows with the shape x size
+# ratio x this, against what is available (max_point_need).
 HEADROOM = 1.5
 # A copy of a validated engine with new weights (``baseline``) may be this much further from torch
 # on a batch item than the base engine was on the same item (see ``validate``).
@@ -92,6 +103,9 @@ class Validation:
     # for a component judged by its consumer (``spec.consumer()``): the worst relative error of the
     # consumer's output fed this engine's outputs, where its own outputs missed the tolerance
     consumer_rel: float | None = None
+    # point -> {"dims": the dims checked instead of the point's own, "why": the memory estimate};
+    # the max point of a dynamic profile whose full shape would not fit in memory
+    reduced: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -239,6 +253,7 @@ class _PeakSampler:
         self.interval = interval
         self.start = _rss_bytes()
         self.peak = self.start
+        self.end: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -258,12 +273,18 @@ class _PeakSampler:
             self._stop.set()
             self._thread.join()
         rss = _rss_bytes()
+        self.end = rss
         if rss is not None and self.peak is not None:
             self.peak = max(self.peak, rss)
 
     @property
     def growth(self) -> int | None:
         return None if self.start is None or self.peak is None else max(0, self.peak - self.start)
+
+    @property
+    def kept(self) -> int | None:
+        """What the block still held when it ended (RSS then less RSS before)."""
+        return None if self.start is None or self.end is None else max(0, self.end - self.start)
 
 
 def available_bytes() -> int | None:
@@ -304,17 +325,102 @@ def _elements(spec, dims: dict[str, int]) -> int:
     return sum(math.prod(shape) for shape in spec.shapes(dims).values())
 
 
-def _max_fits(spec, opt_dims: dict | None, max_dims: dict, opt_growth: int | None) -> str:
-    """Why the max point would not fit in memory now ("" when it fits or cannot be judged)."""
+def max_point_need(opt_growth: int, opt_kept: int | None, weights: int, ratio: float, per_shape: int = 0) -> int:
+    """Bytes the max point is expected to take: the opt point's RSS growth less what it kept, up to
+    ``weights`` (what the engine's first call loads once, as its runner says: it is held already
+    and a bigger shape does not load it again), scaled by the max/opt size ratio, with
+    :data:`HEADROOM`; plus ``per_shape`` (what a call at a new shape loads besides: OpenVINO's
+    fixed shapes compile another copy of the weights).
+
+    Kept memory past the weights (a runtime's pooled activations) is counted as growing with
+    the shape; ``opt_kept`` None (not measured) scales the whole growth. Measured on SD 1.5's
+    UNet, OpenVINO bf16, dynamic-512-768 (scripts/BENCHMARKS.md): the opt point grew 2.21 GiB
+    and kept 2.08 GiB, 1.60 GiB of it the weights (engine.bin); estimate 7.5 GiB for the max
+    (batch 8, 768 px, 154 tokens), which grew 3.36 GiB. The cap matters: a runtime keeps its
+    activations' buffers too (3.06 GiB of those 3.36 stayed held), so counting all that the opt
+    point kept as weights (an fp32-size cap of 3.2 GiB did) estimated 1.6 GiB.
+
+    >>> GiB = 2**30
+    >>> max_point_need(3 * GiB, 2 * GiB, 2 * GiB, 2.0) / GiB  # 1 GiB of activations, x2, x1.5
+    3.0
+    >>> max_point_need(3 * GiB, 2.5 * GiB, 2 * GiB, 2.0) / GiB  # the 0.5 GiB kept past the weights scales
+    3.0
+    >>> max_point_need(3 * GiB, 0, 2 * GiB, 2.0) / GiB  # nothing kept (weights loaded before): all scales
+    9.0
+    >>> max_point_need(3 * GiB, None, 2 * GiB, 2.0) / GiB
+    9.0
+    """
+    fixed = 0 if opt_kept is None else min(max(0, int(opt_kept)), max(0, int(weights)), opt_growth)
+    return int((opt_growth - fixed) * ratio * HEADROOM) + max(0, int(per_shape))
+
+
+def _batch_keys(dims: dict[str, int]) -> list[str]:
+    return [k for k in ("B", "B2") if k in dims]
+
+
+def _shrunk(spec, profile: Profile, fraction: float) -> dict[str, int] | None:
+    """The dims of an image ``fraction`` of the way from the opt size to the max (8 px steps), at
+    the max tokens and the smallest batch; None where that is the opt shape."""
+    def size(r) -> int:
+        return max(r[0], (r[1] + int((r[2] - r[1]) * fraction)) // 8 * 8)
+
+    height, width = size(profile.height), size(profile.width)
+    if (height, width) == (profile.height[1], profile.width[1]) and profile.tokens[1] == profile.tokens[2]:
+        return None
+    text = None if profile.text is None else profile.text[2]
+    try:
+        point = Profile(batch=profile.batch[0], height=height, width=width, tokens=profile.tokens[2], text=text,
+                        cfg=profile.cfg)
+        dims = dict(_points(spec, point)["opt"])
+    except Exception:  # (a spec that cannot take this size: no smaller point)
+        return None
+    ranges = spec.dim_ranges(profile)
+    for key in _batch_keys(dims):
+        dims[key] = ranges[key][0]
+    return dims
+
+
+def _max_plan(spec, profile: Profile, opt_dims: dict | None, max_dims: dict, opt_growth: int | None,
+              opt_kept: int | None, weights: int, per_shape: int = 0) -> tuple[dict | None, str]:
+    """(the dims to check the max point at, why they are not the max shape's ("" when they are));
+    (None, why) when nothing fits in the memory available now. Unjudged (no /proc): the max shape.
+
+    Tried in turn: the max shape; the max image size at smaller batches (halved down to the
+    profile's smallest); images 3/4, 1/2 and 1/4 of the way from the opt size to the max, at the
+    max tokens and the smallest batch."""
     free = available_bytes()
     if opt_growth is None or free is None:
-        return ""
-    ratio = _elements(spec, max_dims) / max(1, _elements(spec, opt_dims))
-    need = int(opt_growth * ratio * HEADROOM)
-    if need <= free:
-        return ""
-    return (f"estimated {need / 2**30:.1f} GiB for the max shape (the opt shape took {opt_growth / 2**30:.2f} GiB, "
-            f"x{ratio:.1f} the size), {free / 2**30:.1f} GiB available")
+        return max_dims, ""
+    base = max(1, _elements(spec, opt_dims))
+
+    def need(dims: dict) -> tuple[int, float]:
+        ratio = _elements(spec, dims) / base
+        return max_point_need(opt_growth, opt_kept, weights, ratio, per_shape), ratio
+
+    full, ratio = need(max_dims)
+    why = (f"estimated {full / 2**30:.1f} GiB for the max shape (the opt shape took {opt_growth / 2**30:.2f} GiB, "
+           f"{min(opt_kept or 0, weights, opt_growth) / 2**30:.2f} GiB of it held after it (weights), the rest "
+           f"x{ratio:.1f} the size), {free / 2**30:.1f} GiB available")
+    if full <= free:
+        log.info("validation of %s at the max shape: %s", spec.name, why)
+        return max_dims, ""
+    candidates = []
+    keys = _batch_keys(max_dims)
+    if keys:
+        ranges = spec.dim_ranges(profile)
+        batch, least = max_dims[keys[0]], max(ranges[k][0] for k in keys)
+        while batch > least:
+            batch = max(least, batch // 2)
+            candidates.append({**max_dims, **{k: batch for k in keys}})
+    for fraction in (0.75, 0.5, 0.25):
+        dims = _shrunk(spec, profile, fraction)
+        if dims is not None and dims != opt_dims:
+            candidates.append(dims)
+    for dims in candidates:
+        got, _ = need(dims)
+        if got <= free:
+            return dims, f"{why}; checked at {dims} instead (estimated {got / 2**30:.1f} GiB)"
+    return None, why
 
 
 def validate(
@@ -371,6 +477,8 @@ def validate(
     item_rel: dict[str, list[float]] = {}
     refused: list[str] = []
     opt_growth: int | None = None
+    opt_kept: int | None = None
+    reduced: dict[str, dict] = {}
     worst_psnr: float | None = None
     worst_consumer: float | None = None
     by_picture: list[str] = []  # per-call misses a float denoiser's picture decides (FLOAT_IMAGE_PSNR)
@@ -379,21 +487,31 @@ def validate(
     module = spec.torch_module()
     with fp32_on(module, device), sdpa_attention(module), torch.no_grad():
         ref_module = spec.export_module()
+        # what the engine's first call loads once, whatever the shape (its weights, where the runner
+        # says: OpenVINO's copies engine.bin's), and what a call at a new shape loads besides
+        weights, per_shape = int(getattr(runner, "once_bytes", 0) or 0), int(getattr(runner, "per_shape_bytes", 0) or 0)
         for i, (label, dims) in enumerate(points.items()):
             if label == "max" and device == "cpu":
-                why = _max_fits(spec, points.get("opt"), dims, opt_growth)
-                if why:
+                dims, why = _max_plan(spec, profile, points.get("opt"), dims, opt_growth, opt_kept, weights, per_shape)
+                if dims is None:
                     log.warning("validation of %s at the max shape skipped: %s", spec.name, why)
                     skipped[label] = why
                     continue
+                if why:
+                    log.warning("validation of %s at the max shape reduced: %s", spec.name, why)
+                    reduced[label] = {"dims": dict(dims), "why": why}
             feed = spec.sample_feed(dims, seed=seeds.get(label, i), device=device) if feeds is None else {
                 k: v.to(device) for k, v in feeds[i].items()
             }
+            trim_heap()  # freed heap glibc keeps would hide what the point allocates from RSS
             with _PeakSampler() as sampler:
                 got = runner.infer(feed)
                 ref = reference(ref_module, feed, items, whole=spec.unbatched())
             if label == "opt":
-                opt_growth = sampler.growth
+                opt_growth, opt_kept = sampler.growth, sampler.kept
+            if sampler.growth is not None and label in ("opt", "max"):
+                log.info("validation of %s at %s: RSS grew %.2f GiB while it ran (%.2f GiB still held after)",
+                         spec.name, label, sampler.growth / 2**30, (sampler.kept or 0) / 2**30)
             checked.append(label)
             err_abs, err_rel, per_item, bad = _errors(names, got, ref)
             base = ((baseline or {}).get("item_rel") or {}).get(label) or []
@@ -412,7 +530,8 @@ def validate(
                 err_abs, err_rel, per_item, bad = _errors(names, got, ref)
                 within = err_rel <= tol
             if bad:
-                return Validation(math.inf, math.inf, checked, False, f"{bad} has NaN/inf at {label}", skipped)
+                return Validation(math.inf, math.inf, checked, False, f"{bad} has NaN/inf at {label}", skipped,
+                                  reduced=reduced)
             downstream = None
             if not within:
                 downstream = consumer_error(spec, feed, got, ref, device)
@@ -463,4 +582,4 @@ def validate(
     why = "; ".join(refused)
     return Validation(worst_abs, worst_rel, checked, ok, why, skipped, item_rel,
                       None if worst_psnr is None else round(worst_psnr, 2),
-                      None if worst_consumer is None else round(worst_consumer, 6))
+                      None if worst_consumer is None else round(worst_consumer, 6), reduced)

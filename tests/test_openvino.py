@@ -92,6 +92,57 @@ def test_dynamic_engine_serves_a_size_between_min_and_max(built):
     assert out.shape == (1, 4, 10, 11) and torch.isfinite(out).all()
 
 
+@pytest.fixture(scope="module")
+def dynamic_fp32(tmp_path_factory):
+    """A dynamic fp32 UNet engine of tiny SD 1.5 (its own folder)."""
+    engine_dir = tmp_path_factory.mktemp("ov-dynamic")
+    (record,) = build_engines(load_pipeline("builtin:tiny-sd15"), profiles=[DYNAMIC], backend="openvino",
+                              precision="fp32", components=["unet"], engine_dir=engine_dir, progress=False)
+    from sd_accel import EngineCache
+
+    return EngineCache(engine_dir).engine_dir(record.key), record
+
+
+def test_fixed_shapes_compile_per_call_shape_match_the_dynamic_engine_and_are_kept_bounded(dynamic_fp32,
+                                                                                        monkeypatch):
+    from sd_accel.backends.openvino import runner as runner_mod
+
+    folder, record = dynamic_fp32
+    assert "engine.xml" in record.files  # a dynamic engine keeps its graph for fixed-shape compiles
+    width = record.shapes["encoder_hidden_states"][0][2]
+
+    def feed(batch: int, h: int, w: int, seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"sample": torch.randn(batch, 4, h, w, generator=g), "timestep": torch.full((batch,), 10.0),
+                "encoder_hidden_states": torch.randn(batch, 77, width, generator=g)}
+
+    feeds = [feed(2, 8, 8, 0), feed(1, 12, 12, 1), feed(2, 8, 8, 2), feed(1, 10, 11, 3)]
+    monkeypatch.delenv(runner_mod.FIXED_SHAPES_ENV, raising=False)
+    dynamic = OpenVinoBackend().load(folder, record.files, record.shapes)
+    assert dynamic.graph is None
+    want = [dynamic.infer(f)["latent"] for f in feeds]
+    assert not dynamic.fixed and dynamic.fixed_compiles == 0
+    weights = (folder / "engine.bin").stat().st_size
+    assert dynamic.once_bytes == 0 and dynamic.per_shape_bytes == 0  # (it has run: its weights are loaded)
+    assert OpenVinoBackend().load(folder, record.files, record.shapes).once_bytes == weights  # not yet
+    monkeypatch.setenv(runner_mod.FIXED_SHAPES_ENV, "1")
+    fixed = OpenVinoBackend().load(folder, record.files, record.shapes)
+    assert fixed.once_bytes == fixed.per_shape_bytes == weights  # each shape compiled holds a copy
+    got = []
+    for f in feeds:
+        got.append(fixed.infer(f)["latent"])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    # three shapes: the third call's shape was compiled before (kept), the fourth drops the oldest
+    assert fixed.fixed_compiles == 3
+    assert len(fixed.fixed) == runner_mod.FIXED_SHAPES_KEPT == 2
+    kept = [dict(k)["sample"] for k in fixed.fixed]
+    assert kept == [(2, 4, 8, 8), (1, 4, 10, 11)]
+    # a static engine has nothing to reshape: the option leaves it as it is
+    static = OpenVinoBackend().load(folder, record.files, {k: (v[0], v[0], v[0]) for k, v in record.shapes.items()})
+    assert static.graph is None
+
+
 needs_nncf = pytest.mark.skipif(not OpenVinoBackend().precisions().count("int8"),
                                 reason="OpenVINO int8 needs NNCF, which is not installed")
 

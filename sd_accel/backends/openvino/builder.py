@@ -22,7 +22,9 @@ graph without them:
   "weightless" blob: the optimized graph and kernels' choices, no weights); loading imports it
   with ``WEIGHTS_PATH`` pointing at ``engine.bin``, which OpenVINO memory-maps;
 - ``engine.weights.json`` (float engines): where each MatMul / Conv weight sits in ``engine.bin``,
-  so a refit patches a copy of it instead of compiling (``weight_map.py``).
+  so a refit patches a copy of it instead of compiling (``weight_map.py``);
+- ``engine.xml`` (dynamic profiles): the graph as OpenVINO IR, without weights (2 MB for SD 1.5's UNet), which
+  ``SD_ACCEL_OV_FIXED_SHAPES=1`` reshapes and compiles for each call's shapes (``runner.py``).
 
 The engine used to be one exported blob holding the weights as compiled (fp32 for bf16 engines too:
 twice the bf16 size; see the report in the project notes for SD 1.5 figures).
@@ -129,6 +131,10 @@ def compile_config(precision: str) -> dict[str, str]:
     return {**core_config(precision), "CACHE_MODE": "OPTIMIZE_SIZE"}
 
 
+def _dynamic(shapes: ShapeRanges) -> bool:
+    return any(lo != hi for lo, _, hi in shapes.values())
+
+
 def _partial_shapes(shapes: ShapeRanges):
     import openvino as ov
 
@@ -220,11 +226,14 @@ class OpenVinoBackend(Backend):
                 (out_dir / ENGINE_FILE).unlink()
                 form = "ir"
             files = [ENGINE_FILE if form == "blob" else _GRAPH_FILE, WEIGHTS_FILE, META_FILE]
+            keep_graph = form == "blob" and _dynamic(shapes)  # for fixed-shape compiles (runner.py)
+            if keep_graph:
+                files.append(_GRAPH_FILE)
             if precision != "int8":  # int8 weights carry calibrated scales: a refit rebuilds
                 progress(0.9, "mapping the weights in engine.bin (for refits)")
                 write_map(Path(onnx_path), out_dir / _GRAPH_FILE, out_dir / WEIGHTS_FILE, out_dir / MAP_FILE)
                 files.append(MAP_FILE)
-            if form == "blob":
+            if form == "blob" and not keep_graph:
                 (out_dir / _GRAPH_FILE).unlink()
             (out_dir / META_FILE).write_text(json.dumps({"precision": precision, "weights": WEIGHTS_FILE, "form": form}))
         except EngineError:  # BuildCancelled is one too
@@ -271,14 +280,22 @@ class OpenVinoBackend(Backend):
         from ``engine.bin``."""
         import openvino as ov
 
-        from sd_accel.backends.openvino.runner import OpenVinoRunner
+        from sd_accel.backends.openvino.runner import FIXED_SHAPES_ENV, OpenVinoRunner, fixed_shapes_wanted
 
         engine_dir = Path(engine_dir)
+        graph = None
+        if fixed_shapes_wanted() and _dynamic(shapes) and ENGINE_FILE in files:  # (not the IR form's graphs)
+            graph = engine_dir / _GRAPH_FILE
+            if _GRAPH_FILE not in files or not graph.is_file():
+                log.info("%s: built before %s (no engine.xml kept): it runs on its dynamic shapes; build it "
+                         "again to compile per shape", engine_dir.name, FIXED_SHAPES_ENV)
+                graph = None
         try:
             meta = json.loads((engine_dir / META_FILE).read_text())
+            fixed = {"graph": graph, "config": core_config(meta["precision"])}
             if meta.get("form") == "ir":  # (see build: compiled here, the weights mapped from engine.bin)
                 compiled = ov.Core().compile_model(str(engine_dir / _GRAPH_FILE), "CPU", core_config(meta["precision"]))
-                return OpenVinoRunner(compiled, shapes, mapped=engine_dir)
+                return OpenVinoRunner(compiled, shapes, mapped=engine_dir, **fixed)
             config = compile_config(meta["precision"])
             if meta.get("weights"):
                 config["WEIGHTS_PATH"] = str(engine_dir / meta["weights"])
@@ -287,4 +304,6 @@ class OpenVinoBackend(Backend):
             raise EngineError(
                 f"OpenVINO could not load the engine in {engine_dir} ({exc}); delete it and build again"
             ) from exc
-        return OpenVinoRunner(compiled, shapes, mapped=engine_dir if meta.get("weights") else None)
+        weights = engine_dir / meta["weights"] if meta.get("weights") else None
+        return OpenVinoRunner(compiled, shapes, mapped=engine_dir if weights else None,
+                              weights_bytes=weights.stat().st_size if weights else 0, **fixed)
