@@ -254,6 +254,18 @@ def needs_rebuild(handle) -> str | None:
     return None
 
 
+def _refittable(engines) -> list:
+    """The handles of ``engines`` a refit writes (closed ones included); the error when any of
+    them must be rebuilt instead (INT8), or none is usable."""
+    handles = [h for h in engines.handles if h.broken in (None, REFIT_CLOSED)]
+    refused = [why for why in map(needs_rebuild, handles) if why]
+    if refused:
+        raise InvalidValue("; ".join(refused))
+    if not handles:
+        raise EngineError(f"{engines.component}: no usable engine to refit")
+    return handles
+
+
 def refit_component(engines, weights: dict[str, torch.Tensor], spec,
                     progress: Callable[[str, float, str], None] | None = None,
                     validate: bool = True):
@@ -273,12 +285,7 @@ def refit_component(engines, weights: dict[str, torch.Tensor], spec,
 
     from sd_accel.runtime.selection import ComponentEngines
 
-    handles = [h for h in engines.handles if h.broken in (None, REFIT_CLOSED)]
-    refused = [why for why in map(needs_rebuild, handles) if why]
-    if refused:
-        raise InvalidValue("; ".join(refused))
-    if not handles:
-        raise EngineError(f"{engines.component}: no usable engine to refit")
+    handles = _refittable(engines)
     report = progress or (lambda name, f, m: None)
     made: list = []
     try:
@@ -351,12 +358,7 @@ def pending_component(engines, make: Callable[[Any], RefittedRunner]):
 
     from sd_accel.runtime.selection import ComponentEngines
 
-    handles = [h for h in engines.handles if h.broken in (None, REFIT_CLOSED)]
-    refused = [why for why in map(needs_rebuild, handles) if why]
-    if refused:
-        raise InvalidValue("; ".join(refused))
-    if not handles:
-        raise EngineError(f"{engines.component}: no usable engine to refit")
+    handles = _refittable(engines)
     made = []
     for handle in handles:
         new = replace(handle, runner=None, refit=None, broken=None, failures=0)
