@@ -104,8 +104,9 @@ class OpenVinoRunner:
         }
         fixed = self._fixed(inputs) if self.graph is not None else None
         if fixed is not None:
-            request, names = fixed
-            results = request.infer(inputs)
+            request, names, results = fixed
+            if results is None:  # a shape compiled earlier (a new one ran in _fixed already)
+                results = request.infer(inputs)
         elif self.mapped is not None:
             names = self.output_names
             with kept_released(self.mapped, every=0.1):
@@ -117,14 +118,15 @@ class OpenVinoRunner:
         return {name: torch.from_numpy(np.array(results[i], copy=True)) for i, name in enumerate(names)}
 
     def _fixed(self, inputs: dict[str, np.ndarray]) -> tuple | None:
-        """(infer request, output names) of the graph compiled for exactly these input shapes:
-        kept from an earlier call, or compiled now (the oldest kept one dropped past
-        :data:`FIXED_SHAPES_KEPT`). None where it cannot be compiled (the dynamic engine serves)."""
+        """(infer request, output names, results) of the graph compiled for exactly these input
+        shapes: kept from an earlier call (results None: the caller infers), or compiled now and run
+        on ``inputs`` (the oldest kept one dropped past :data:`FIXED_SHAPES_KEPT`). None where it
+        cannot be compiled (the dynamic engine serves)."""
         key = tuple(sorted((name, a.shape) for name, a in inputs.items()))
         if key in self.fixed:
             self.fixed.move_to_end(key)
             _, request, names = self.fixed[key]
-            return request, names
+            return request, names, None
         try:
             import openvino as ov
 
@@ -136,7 +138,7 @@ class OpenVinoRunner:
                 compiled = core.compile_model(model, "CPU", self.config)
                 del model
                 request = compiled.create_infer_request()
-                request.infer(inputs)  # the first call copies the weights: the mapped pages go back as it goes
+                results = request.infer(inputs)  # it copies the weights: the mapped pages go back as it goes
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
             log.warning("OpenVINO could not compile %s for the fixed shapes %s (%s); the dynamic engine serves "
                         "(%s=1 is ignored for this engine)", self.graph, dict(key), exc, FIXED_SHAPES_ENV)
@@ -148,7 +150,7 @@ class OpenVinoRunner:
         self.fixed[key] = (compiled, request, names)
         while len(self.fixed) > FIXED_SHAPES_KEPT:
             self.fixed.popitem(last=False)
-        return request, names
+        return request, names, results
 
     def close(self) -> None:
         self.request = None
