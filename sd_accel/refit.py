@@ -46,11 +46,13 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from sd_accel.cache.refits import REFIT_DIR, new_copy  # noqa: F401  (REFIT_DIR: where they go)
@@ -152,6 +154,7 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
     """A runner for the engine of ``handle`` with ``weights`` (torch names, full values) in place
     of the ones it was built with; validated against ``spec``'s torch module."""
     from sd_accel.profiles import Profile
+    from sd_accel.runtime.weights import handed_back_after_use
     from sd_accel.validate import validate
 
     record = handle.record
@@ -182,8 +185,9 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
         runner = handle.backend.load(engine, files, shapes)
         if validate_it:
             progress(0.85, "validating against torch")
-            result = validate(spec, runner, Profile.from_tag(record.key.profile), precision,
-                              device=handle.backend.torch_device)
+            with handed_back_after_use(spec.torch_module()):
+                result = validate(spec, runner, Profile.from_tag(record.key.profile), precision,
+                                  device=handle.backend.torch_device)
             if not result.ok:
                 runner.close()
                 raise EngineError(f"{record.key.name}: the refitted engine failed validation ({result.why}); "
@@ -206,6 +210,7 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     ``validate=False``, as for the full refit): it relies on how the backend loads its engine."""
     from sd_accel.onnx.weights import onnx_values
     from sd_accel.profiles import Profile
+    from sd_accel.runtime.weights import handed_back_after_use
     from sd_accel.validate import validate
 
     if not handle.backend.patches_weights:  # declared in backends/base.py (False by default)
@@ -213,7 +218,8 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     patch = handle.backend.patch_weights
     record = handle.record
     progress(0.0, "writing the current weights into a copy of the engine")
-    files = patch(handle.cache.engine_dir(record.key), list(record.files), onnx_values(export, weights), out)
+    files = patch(handle.cache.engine_dir(record.key), list(record.files), _one_at_a_time(onnx_values(export, weights)),
+                  out)
     if files is None:
         shutil.rmtree(out, ignore_errors=True)
         return None
@@ -232,8 +238,9 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     # That item passes within the tolerance, or as close to torch as the base engine's same item
     # was at its build (its record; one item's precision error can exceed a tolerance set for a
     # batch); otherwise the rest of the batch is computed and judged as at the build.
-    result = validate(spec, runner, Profile.from_tag(record.key.profile), record.key.precision,
-                      device=handle.backend.torch_device, items=1, points=("opt",), baseline=record.validation)
+    with handed_back_after_use(spec.torch_module()):  # the torch weights one layer at a time, not all resident
+        result = validate(spec, runner, Profile.from_tag(record.key.profile), record.key.precision,
+                          device=handle.backend.torch_device, items=1, points=("opt",), baseline=record.validation)
     if result.ok:
         log.info("%s: engine refitted by writing its weights (validated, max abs error %.2e)",
                  record.key.name, result.max_abs)
@@ -243,6 +250,28 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     log.warning("%s: the engine with its weights written in disagrees with torch (%s); refitting in full",
                 record.key.name, result.why)
     return None
+
+
+def _one_at_a_time(value: Callable[[str], np.ndarray | None]) -> Callable[[str], np.ndarray | None]:
+    """``value`` whose previous array's file-backed pages (the torch weights, memory-mapped from
+    their file) are handed back when the next is asked for: a refit that compares every weight
+    with the engine's reads the module once without leaving it resident (SD 1.5's UNet: 3.4 GB)."""
+    from sd_accel.runtime.weights import PageDropper
+
+    dropper = PageDropper()
+    last: list[np.ndarray] = []
+
+    def one(name: str) -> np.ndarray | None:
+        while last:
+            with warnings.catch_warnings():  # a read-only view of the weight: only its address is used
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                dropper(torch.from_numpy(last.pop()))
+        array = value(name)
+        if array is not None:
+            last.append(array)
+        return array
+
+    return one
 
 
 def needs_rebuild(handle) -> str | None:

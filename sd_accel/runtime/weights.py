@@ -32,12 +32,14 @@ the process ends.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import mmap
 import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +170,28 @@ def release(module: torch.nn.Module) -> int:
         if storage.nbytes() and dropper.maps.holds(storage.data_ptr(), storage.nbytes()):
             dropper.dropped += _page_out(storage.data_ptr(), storage.nbytes())
     return dropper.dropped
+
+
+@contextlib.contextmanager
+def handed_back_after_use(module: torch.nn.Module) -> Iterator[PageDropper]:
+    """Within the block, each submodule of ``module`` hands back the resident pages of its own
+    file-backed weights right after its forward: a check that runs the whole module once (a
+    refit's validation against torch) holds one layer's weights resident at a time, not the whole
+    module beside the engine (SD 1.5's UNet: 3.4 GB). Anonymous weights are never touched."""
+    dropper = PageDropper()
+
+    def hand_back(mod: torch.nn.Module, args, output) -> None:
+        for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)):
+            dropper(t)
+
+    hooks = [m.register_forward_hook(hand_back) for m in module.modules()
+             if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None]
+    try:
+        yield dropper
+    finally:
+        for hook in hooks:
+            hook.remove()
+        release(module)  # what ran outside a forward (a weight read directly) goes too
 
 
 # --------------------------------------------------------------------------- parking

@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sd_accel.pages import page_out
+
 log = logging.getLogger("sd_accel")
 
 MAP_FILE = "engine.weights.json"
@@ -163,7 +165,9 @@ def patch(engine_dir: Path, files: list[str], value: Callable[[str], np.ndarray 
             stored = scratch[spot["element"]][:count].view(source.shape)
             stored.copy_(source)  # converted to the stored type, in the stored layout
             engine = torch.frombuffer(blob, dtype=stored.dtype, count=count, offset=spot["offset"])
-            if _same_bits(stored.reshape(-1), engine):
+            unchanged = _same_bits(stored.reshape(-1), engine)
+            page_out(engine.data_ptr(), spot["size"])  # read once: not left in the RSS of a host that refits
+            if unchanged:
                 same += 1
                 continue
             os.pwrite(out.fileno(), stored.numpy(), spot["offset"])
