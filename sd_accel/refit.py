@@ -43,6 +43,7 @@ patches only the profiles the jobs really call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -171,6 +172,8 @@ def refit_engine(handle, weights: dict[str, torch.Tensor], spec, progress: Calla
         runner = _patched(handle, weights, spec, source.parent, folder / "patched", progress, validate_it)
         if runner is not None:
             progress(1.0, "refitted")
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # compiled in memory: no copy on disk to list or clean up
             return RefittedRunner(runner, folder, record.key.model)
         graph = folder / "graph"
         progress(0.0, "writing the current weights into the exported graph")
@@ -215,15 +218,18 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
 
     if not handle.backend.patches_weights:  # declared in backends/base.py (False by default)
         return None
-    patch = handle.backend.patch_weights
     record = handle.record
-    progress(0.0, "writing the current weights into a copy of the engine")
-    files = patch(handle.cache.engine_dir(record.key), list(record.files), _one_at_a_time(onnx_values(export, weights)),
-                  out)
-    if files is None:
-        shutil.rmtree(out, ignore_errors=True)
-        return None
-    runner = handle.backend.load(out, files, handle.shapes)
+    engine_dir, files = handle.cache.engine_dir(record.key), list(record.files)
+    values = onnx_values(export, weights)
+    progress(0.0, "compiling the engine with the current weights")
+    runner = handle.backend.refit_runner(engine_dir, files, _one_at_a_time(values), handle.shapes)
+    if runner is None:
+        progress(0.0, "writing the current weights into a copy of the engine")
+        files = handle.backend.patch_weights(engine_dir, files, _one_at_a_time(values), out)
+        if files is None:
+            shutil.rmtree(out, ignore_errors=True)
+            return None
+        runner = handle.backend.load(out, files, handle.shapes)
     if not validate_it:
         log.warning("%s: engine refitted by writing its weights, not validated (validate=False)", record.key.name)
         return runner
