@@ -231,7 +231,7 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
             return None
         runner = handle.backend.load(out, files, handle.shapes)
     if not validate_it:
-        log.warning("%s: engine refitted by writing its weights, not validated (validate=False)", record.key.name)
+        log.warning("%s: engine refitted with its weights replaced, not validated (validate=False)", record.key.name)
         return runner
     progress(0.5, "validating against torch (one batch item, opt shape)")
     # Narrower than a new engine's check, and as sound for what can go wrong here: the graph and
@@ -248,7 +248,7 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
         result = validate(spec, runner, Profile.from_tag(record.key.profile), record.key.precision,
                           device=handle.backend.torch_device, items=1, points=("opt",), baseline=record.validation)
     if result.ok:
-        log.info("%s: engine refitted by writing its weights (validated, max abs error %.2e)",
+        log.info("%s: engine refitted with its weights replaced (validated, max abs error %.2e)",
                  record.key.name, result.max_abs)
         return runner
     runner.close()
