@@ -19,7 +19,7 @@ from typing import Any
 
 from sd_accel.core import InvalidValue
 from sd_accel.generate import GenerationParams, parameters_text
-from sd_accel.serve.batching import Batcher, BatchKey, Job, engine_batch_limit, run_pipeline
+from sd_accel.serve.batching import Batcher, BatchKey, Job, engine_batch_limit, run_pipeline, runs_cfg
 from sd_accel.serve.config import ServeConfig
 
 log = logging.getLogger("sd_accel")
@@ -150,7 +150,10 @@ class ModelServer:
         self._lock = threading.Lock()
         self.unet_batches: collections.Counter[int] = collections.Counter()
         self.requests = 0
-        pipe.unet.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
+        # the UNet, or the transformer of SD3 / FLUX.1: its batches are what the engines' ranges bound
+        self.denoiser = getattr(pipe, "unet", None) or pipe.transformer
+        self.flow = not hasattr(pipe, "unet")  # SD3 / FLUX.1 run their own flow-matching scheduler
+        self.denoiser.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
         wait_ms = self.config.batch_wait_ms
         if wait_ms is None:
             wait_ms, why = default_batch_wait_ms(pipe)
@@ -186,8 +189,10 @@ class ModelServer:
     # ------------------------------------------------------------------ requests
 
     def default_size(self) -> tuple[int, int]:
-        unet = self.pipe.unet.config
-        side = unet.sample_size * getattr(self.pipe, "vae_scale_factor", 8)
+        if self.flow:  # SD3's and FLUX.1's pipelines say theirs (1024 px for the real models)
+            side = int(getattr(self.pipe, "default_sample_size", 128)) * getattr(self.pipe, "vae_scale_factor", 8)
+        else:
+            side = self.pipe.unet.config.sample_size * getattr(self.pipe, "vae_scale_factor", 8)
         return side, side
 
     def job_for(self, params: GenerationParams, control: tuple = ()) -> Job:
@@ -202,6 +207,14 @@ class ModelServer:
             from sd_accel.samplers import resolve
 
             sampler = resolve(sampler).name  # one spelling, so "euler a" batches with "Euler a"
+        if self.flow and sampler is not None:
+            if sampler != "Euler":
+                raise InvalidValue(f"sampler_name {params.sampler!r}: {type(self.pipe).__name__} runs its own "
+                                   "flow-matching Euler scheduler; leave sampler_name out (or send \"Euler\")")
+            sampler = None  # the model's own: the flow-matching Euler
+        if self.flow and params.negative_prompt and not runs_cfg(self.pipe):
+            raise InvalidValue(f"negative_prompt: {type(self.pipe).__name__} runs no classifier-free guidance "
+                               "(cfg_scale is FLUX.1's guidance input), so it takes no negative prompt; leave it out")
         seed = params.resolved_seed()
         key = BatchKey(width=width, height=height, steps=params.steps, cfg=float(params.cfg), sampler=sampler,
                        control=control)
@@ -231,6 +244,9 @@ class ModelServer:
         each named ControlNet; the units are kept for the call that runs them."""
         if not units:
             return ()
+        if self.flow:
+            raise InvalidValue(f"ControlNet units: sd-accel serve runs them on SD 1.x / 2.x / SDXL models, not on "
+                               f"{type(self.pipe).__name__} yet; send the request without alwayson_scripts.controlnet")
         for unit in units:
             if unit.model not in self.controlnets:
                 if not self.controlnets:
@@ -351,7 +367,7 @@ class ModelServer:
                             extra=extra)
 
     def _count_unet_batch(self, _module, args, kwargs) -> None:
-        sample = args[0] if args else kwargs.get("sample")
+        sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
         if sample is not None:
             with self._lock:
                 self.unet_batches[int(sample.shape[0])] += 1
