@@ -79,3 +79,52 @@ def test_what_a_flow_model_does_not_take_is_refused_with_the_reason(served):
             asyncio.run(server.generate(negative))
     else:
         assert server.job_for(GenerationParams(**negative)).negative_prompt == "blurry"
+
+
+def _png(width: int, height: int) -> str:
+    import base64
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+@pytest.mark.slow
+def test_img2img_runs_the_init_image_on_the_transformer_engine(served):
+    """``/sdapi/v1/img2img``'s request on SD3 and FLUX.1: the init image (any size: resized to the
+    request's) at a strength; two requests of one image share a call; the denoiser is the engine."""
+    from sd_accel.serve.img2img import parse_img2img
+
+    _, server = served
+    before = server.stats()["engines"]["transformer"]["engine_calls"]
+    body = {"prompt": "a red cube", "steps": 4, "cfg_scale": 3.5, "width": 64, "height": 64, "seed": 3,
+            "init_images": [_png(80, 48)], "denoising_strength": 0.5}
+    req = parse_img2img(body)
+
+    async def two():
+        return await asyncio.gather(server.generate(req.backend_request()),
+                                    server.generate(dict(req.backend_request(), seed=4)))
+
+    first, second = asyncio.run(two())
+    assert first["call_sizes"] == second["call_sizes"] == [2]
+    assert _pixels(first["images"][0]).shape == (64, 64, 3)
+    assert "Denoising strength: 0.5" in first["infotexts"][0]
+    transformer = server.stats()["engines"]["transformer"]
+    assert transformer["engine_calls"] - before == 2 and transformer["torch_calls"] == 0, transformer  # 4 x 0.5
+
+
+def test_img2img_requests_are_checked_before_any_queue():
+    from sd_accel.serve.img2img import parse_img2img
+
+    base = {"prompt": "x", "init_images": [_png(8, 8)]}
+    for body, reason in (({"prompt": "x"}, "init_images must hold one"),
+                         (dict(base, init_images=["not an image"]), "not a base64-encoded image"),
+                         (dict(base, denoising_strength=0), "denoising_strength=0 is not valid"),
+                         (dict(base, mask=_png(8, 8)), "inpainting is not served"),
+                         (dict(base, resize_mode=2), "resize_mode=2")):
+        with pytest.raises(InvalidValue, match=reason):
+            parse_img2img(body)
+    request = parse_img2img(dict(base, denoising_strength=0.3))
+    assert request.backend_request()["strength"] == 0.3 and request.body["init_images"] == ["<image>"]

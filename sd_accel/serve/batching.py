@@ -46,6 +46,8 @@ class BatchKey:
     cfg: float
     sampler: str | None  # None: the replica's default scheduler
     control: tuple = ()  # the ControlNet units' keys (ControlUnit.key), in order; () without ControlNet
+    strength: float | None = None  # img2img: the denoising strength; None: txt2img
+    init: str = ""  # img2img: the init image's digest (one image per call)
 
 
 @dataclass(eq=False)
@@ -367,15 +369,18 @@ def run_pipeline(pipe, key: BatchKey, items: Sequence[WorkItem], should_stop: Ca
 
     # CPU generators, one per image, as sd_accel.generate uses: the seed means the same image
     # alone or in a batch, on any device.
+    from sd_accel.prompts import takes_argument
+
     generators = [torch.Generator("cpu").manual_seed(item.seed) for item in items]
     negative = {"negative_prompt": [item.negative_prompt for item in items]} if runs_cfg(pipe) else {}
+    # img2img pipelines of SD take the size from the init image (resized to it beforehand)
+    size = {"width": key.width, "height": key.height} if takes_argument(pipe, "width") else {}
     return pipe(
         prompt=[item.prompt for item in items],
         **negative,
         num_inference_steps=key.steps,
         guidance_scale=key.cfg,
-        width=key.width,
-        height=key.height,
+        **size,
         num_images_per_prompt=1,
         generator=generators,
         callback_on_step_end=on_step_end,
