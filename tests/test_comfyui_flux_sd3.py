@@ -193,3 +193,39 @@ def test_unsupported_flux_variant_says_why(tmp_path):
     assert flux.unsupported(dm) is None
     dm.params.txt_ids_dims = [0]
     assert "text rotary ids" in flux.unsupported(dm)
+
+
+@pytest.mark.slow
+def test_comfyuis_flux_engine_serves_load_pipeline_of_the_same_file(tmp_path, caplog):
+    """Keyed by the file: ComfyUI's engine (UNETLoader's FLUX.1 file in Black Forest Labs' layout)
+    serves ``load_pipeline`` + ``accelerate`` of that file (what the CLI and the app run)."""
+    from sd_accel import accelerate, load_pipeline
+    from sd_accel.models.builtin import build_tiny_pipeline
+    from sd_accel.runtime.swap import stats
+
+    from support import transformer_layout as layout
+
+    ref = build_tiny_pipeline("flux-dev")
+    root = tmp_path / "models"
+    for folder in ("diffusion_models", "vae", "text_encoders"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    path = layout.save(layout.flux_transformer_state_dict(ref.transformer), root / "diffusion_models" / "flux1-dev.safetensors")
+    layout.save(layout.vae_state_dict(ref.vae), root / "vae" / "ae.safetensors")
+    layout.save(layout.clip_state_dict(ref.text_encoder), root / "text_encoders" / "clip_l.safetensors")
+    layout.save(layout.t5_state_dict(ref.text_encoder_2), root / "text_encoders" / "t5xxl_fp16.safetensors")
+
+    comfy = harness.start(tmp_path, tmp_path / "engines")
+    model = comfy.sd.load_diffusion_model(str(path))  # (the pack wraps ComfyUI's loader: the file is known)
+    # one image at 64 px (16 tokens), T5 at 16 tokens
+    comfy.node("SdAccelBuildEngines").build(model, **dict(BUILD, batch="1", text="16"))
+    harness.purge()
+
+    pipe = accelerate(load_pipeline(str(path)), engines=True, backend="onnxruntime", engine_dir=tmp_path / "engines")
+    assert any("built by the WebUI or ComfyUI, serve it too" in r.getMessage() for r in caplog.records)
+    on = pipe("a cat", height=64, width=64, num_inference_steps=2, max_sequence_length=16,
+              generator=torch.Generator().manual_seed(0), output_type="latent").images
+    s = stats(pipe)["transformer"]
+    assert s["engine_calls"] == 2 and s["torch_calls"] == 0, s
+    off = ref("a cat", height=64, width=64, num_inference_steps=2, max_sequence_length=16,
+              generator=torch.Generator().manual_seed(0), output_type="latent").images
+    torch.testing.assert_close(on, off, atol=2e-3, rtol=2e-3)

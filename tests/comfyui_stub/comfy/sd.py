@@ -168,9 +168,41 @@ def load_checkpoint_guess_config(ckpt_path, output_vae=True, output_clip=True, o
     return model, CLIP(seed), VAE(AutoencoderKL(seed)), None
 
 
+def flux_config(shapes: dict, prefix: str = "") -> dict:
+    """model_detection's unet_config of a FLUX.1 file in Black Forest Labs' layout. (ComfyUI fixes 24
+    heads of 128 lanes, rotary axes [16, 56, 56]; the stand-in reads the head width from the file,
+    so that tiny files load.)"""
+    head = shapes[f"{prefix}double_blocks.0.img_attn.norm.query_norm.scale"][0]
+    hidden = shapes[f"{prefix}img_in.weight"][0]
+    first = head // 8
+
+    def count(kind):
+        return len({k[len(prefix + kind) + 1:].split(".")[0] for k in shapes if k.startswith(prefix + kind + ".")})
+
+    return dict(FLUX_CONFIG, in_channels=shapes[f"{prefix}img_in.weight"][1] // 4, hidden_size=hidden,
+                num_heads=hidden // head, axes_dim=[first, (head - first) // 2, head - first - (head - first) // 2],
+                context_in_dim=shapes[f"{prefix}txt_in.weight"][1], vec_in_dim=shapes[f"{prefix}vector_in.in_layer.weight"][1],
+                depth=count("double_blocks"), depth_single_blocks=count("single_blocks"),
+                guidance_embed=f"{prefix}guidance_in.in_layer.weight" in shapes)
+
+
 def load_diffusion_model(unet_path, model_options={}):  # noqa: B006  (ComfyUI's signature: UNETLoader)
-    """A diffusion-model-only file (``models/diffusion_models``): the MODEL alone."""
-    seed, family = _read(unet_path)
+    """A diffusion-model-only file (``models/diffusion_models``): the MODEL alone. A real FLUX.1
+    safetensors file (Black Forest Labs' keys) loads as ComfyUI loads it; a stand-in JSON file by seed."""
+    try:
+        seed, family = _read(unet_path)
+    except (UnicodeDecodeError, ValueError):
+        from safetensors.torch import load_file
+
+        from comfy import model_base
+        from comfy.ldm.flux.model import Flux
+
+        state = load_file(str(unet_path))
+        prefix = "model.diffusion_model." if any(k.startswith("model.diffusion_model.") for k in state) else ""
+        state = {k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)}
+        dm = Flux(**flux_config({k: tuple(v.shape) for k, v in state.items()}))
+        dm.load_state_dict(state)
+        return ModelPatcher(model_base.Flux(dm.eval()).eval(), torch.device("cpu"), torch.device("cpu"))
     return ModelPatcher(diffusion_model_for(family, seed).eval(), torch.device("cpu"), torch.device("cpu"))
 
 
