@@ -90,6 +90,12 @@ class EngineTransformer:
         if lora_patched(patcher):
             run.reason = LORA_REASON
             return run
+        dm = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+        fam = family_module(dm)
+        odd = fam.unsupported(dm) if fam is not None else "the MODEL's diffusion model is no longer a FLUX.1 / MMDiT"
+        if odd is not None:
+            run.reason = odd
+            return run
         engines, why = self.state.engines_or_reason(self.ckpt_id, COMPONENT)
         run.engines = engines
         if engines is None:
