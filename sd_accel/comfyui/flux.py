@@ -50,6 +50,14 @@ def unsupported(module: torch.nn.Module) -> str | None:
     return f"a FLUX variant diffusers' FluxTransformer2DModel lacks ({', '.join(odd)})" if odd else None
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor a module may hold as a parameter: ComfyUI runs its nodes in inference
+    mode, so the weights its loaders make are inference tensors, which an ``nn.Parameter`` (and so
+    the export) cannot take: those are copied once."""
+    t = t.detach()
+    return t.clone() if t.is_inference() else t
+
+
 def to_diffusers(module: torch.nn.Module) -> torch.nn.Module:
     """diffusers' ``FluxTransformer2DModel`` with ``module``'s weights (float32; views where they
     already are)."""
@@ -62,7 +70,7 @@ def to_diffusers(module: torch.nn.Module) -> torch.nn.Module:
     why = unsupported(module)
     if why is not None:
         raise InvalidValue(why)
-    state = {k: v.detach() for k, v in module.state_dict().items()}
+    state = {k: plain(v) for k, v in module.state_dict().items()}
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     family = "flux-dev" if module.params.guidance_embed else "flux-schnell"
     base = load_family_configs(get_family(family))["transformer/config.json"]

@@ -48,7 +48,9 @@ def to_diffusers(module: torch.nn.Module) -> torch.nn.Module:
     why = unsupported(module)
     if why is not None:
         raise InvalidValue(why)
-    state = {k: v.detach().float() for k, v in module.state_dict().items()}
+    from sd_accel.comfyui.flux import plain
+
+    state = {k: plain(v).float() for k, v in module.state_dict().items()}
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     base = load_family_configs(get_family("sd3"))["transformer/config.json"]
     config = transformer_config(base, shapes, "")

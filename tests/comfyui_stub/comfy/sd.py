@@ -162,9 +162,11 @@ def _read(path) -> tuple[int, str]:
 def load_checkpoint_guess_config(ckpt_path, output_vae=True, output_clip=True, output_clipvision=False,
                                  embedding_directory=None, output_model=True, model_options={}, te_model_options={}):  # noqa: B006  (ComfyUI's signature)
     seed, family = _read(ckpt_path)
-    model = ModelPatcher(diffusion_model_for(family, seed).eval(), torch.device("cpu"), torch.device("cpu"))
     if family != "sd15":  # (the transformer families' text encoders and VAE are not stood in for)
+        with torch.inference_mode():  # ComfyUI runs its loader nodes so: the weights are inference tensors
+            model = ModelPatcher(diffusion_model_for(family, seed).eval(), torch.device("cpu"), torch.device("cpu"))
         return model, None, None, None
+    model = ModelPatcher(diffusion_model_for(family, seed).eval(), torch.device("cpu"), torch.device("cpu"))
     return model, CLIP(seed), VAE(AutoencoderKL(seed)), None
 
 
@@ -189,6 +191,11 @@ def flux_config(shapes: dict, prefix: str = "") -> dict:
 def load_diffusion_model(unet_path, model_options={}):  # noqa: B006  (ComfyUI's signature: UNETLoader)
     """A diffusion-model-only file (``models/diffusion_models``): the MODEL alone. A real FLUX.1
     safetensors file (Black Forest Labs' keys) loads as ComfyUI loads it; a stand-in JSON file by seed."""
+    with torch.inference_mode():  # ComfyUI runs its loader nodes so: the weights are inference tensors
+        return _load_diffusion_model(unet_path)
+
+
+def _load_diffusion_model(unet_path):
     try:
         seed, family = _read(unet_path)
     except (UnicodeDecodeError, ValueError):
