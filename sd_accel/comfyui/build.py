@@ -42,14 +42,20 @@ COMPONENT_CHOICES = ("unet", "unet+vae_decoder", "unet+vae_decoder+vae_encoder",
 CUSTOM = "custom (ranges below)"
 
 
-def profile_for(preset: str, batch: str = "1", height: str = "512", width: str = "512", tokens: str = "77") -> Profile:
-    """A preset by name, or (``custom``) the ranges as people type them: ``N``, ``MIN-MAX``, ``MIN-OPT-MAX``."""
+def profile_for(preset: str, batch: str = "1", height: str = "512", width: str = "512", tokens: str = "77",
+                text: str = "") -> Profile:
+    """A preset by name, or (``custom``) the ranges as people type them: ``N``, ``MIN-MAX``, ``MIN-OPT-MAX``.
+    ``text``: T5's token range for FLUX / SD3 transformers (empty: ComfyUI's default, FLUX 256, SD3 77)."""
+    from dataclasses import replace
+
     if preset in PRESETS:
-        return PRESETS[preset]
-    if preset != CUSTOM:
+        profile = PRESETS[preset]
+    elif preset != CUSTOM:
         raise InvalidValue(f"unknown preset {preset!r}: pick one of {', '.join(PRESETS)} or {CUSTOM!r}")
-    return Profile(batch=parse_range("batch", batch), height=parse_range("height", height),
-                   width=parse_range("width", width), tokens=parse_range("tokens", tokens))
+    else:
+        profile = Profile(batch=parse_range("batch", batch), height=parse_range("height", height),
+                          width=parse_range("width", width), tokens=parse_range("tokens", tokens))
+    return replace(profile, text=parse_range("text", text)) if text.strip() else profile
 
 
 @dataclass
@@ -106,6 +112,42 @@ def unet_part(patcher, st: State, control: bool = False) -> Part:
     facts = {"family": _family(model, spec), "loras": [list(e) for e in loras], "lora_text": describe(loras),
              "model_type": getattr(getattr(model, "model_type", None), "name", None)}
     return Part("unet_control" if control else "unet", spec, unet_weights_id(ckpt, loras), unet, facts)
+
+
+def transformer_part(patcher, st: State) -> Part:
+    """The build's part for a FLUX.1 / SD3 MODEL: diffusers' transformer with its weights, keyed by
+    the checkpoint file."""
+    from sd_accel.comfyui.transformer import (
+        COMPONENT,
+        LORA_REASON,
+        FluxFromComfy,
+        StableDiffusion3FromComfy,
+        family_module,
+        lora_patched,
+    )
+
+    model = patcher.model
+    dm = model.diffusion_model
+    fam = family_module(dm)
+    if lora_patched(patcher):
+        raise InvalidValue(f"this MODEL carries LoRA patches ({LORA_REASON}): build from the MODEL before the LoRA "
+                           "loaders")
+    if getattr(model, "current_weight_patches_uuid", None) is not None:
+        _load_for_export(patcher)  # another MODEL's LoRA may still be in the weights: ComfyUI takes it out
+    ckpt = checkpoint_id(model, st.engine_dir(), fingerprint_of=dm)
+    transformer = fam.to_diffusers(dm)
+    if fam.FAMILY == "flux":
+        from sd_accel.components.flux import FluxTransformerSpec
+
+        spec = FluxTransformerSpec(FluxFromComfy(transformer))
+        family = "flux-dev" if dm.params.guidance_embed else "flux-schnell"
+    else:
+        from sd_accel.components.sd3 import SD3TransformerSpec
+
+        spec = SD3TransformerSpec(StableDiffusion3FromComfy(transformer))
+        family = "sd3"
+    return Part(COMPONENT, spec, ckpt, transformer, {"family": family, "loras": [], "lora_text": "no LoRA",
+                                                     "model_type": getattr(getattr(model, "model_type", None), "name", None)})
 
 
 def clip_parts(clip, st: State) -> list[Part]:
@@ -191,13 +233,20 @@ def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile
     check_precision(be, precision)
     parts: list[Part] = []
     with torch.inference_mode(False):
+        from sd_accel.comfyui import transformer
+
+        dit = model is not None and transformer.is_transformer(model)
         if "unet" in components:
             if model is None:
                 raise InvalidValue("components include the UNet: connect a MODEL")
-            parts.append(unet_part(model, st))
+            # a FLUX.1 / SD3 MODEL: its transformer is the "unet" of the components' names
+            parts.append(transformer_part(model, st) if dit else unet_part(model, st))
         if "unet_control" in components:
             if model is None:
                 raise InvalidValue("components include unet_control: connect a MODEL")
+            if dit:
+                raise InvalidValue("unet_control is the SD 1.x/2.x/XL UNet taking ControlNet residuals: FLUX/SD3 "
+                                   "transformers have none yet (their ControlNet calls run in PyTorch)")
             parts.append(unet_part(model, st, control=True))
         if "clip" in components:
             if clip is None:
@@ -210,7 +259,7 @@ def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile
             parts.extend(vae_parts(vae, wanted, st))
         path = (host.source_of(getattr(model, "model", None)) or host.source_of(getattr(vae, "first_stage_model", None))
                 or host.source_of(getattr(clip, "cond_stage_model", None)))
-        jobs = [_job(p, profile, precision, path) for p in parts]
+        jobs = [_job(p, transformer.profile_for(profile, p), precision, path) for p in parts]
         modules = {id(j.spec): p.module for j, p in zip(jobs, parts, strict=True)}
         bar = host.progress_bar(100 * len(jobs))
         cancel = threading.Event()

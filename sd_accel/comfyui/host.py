@@ -134,4 +134,25 @@ def tag_checkpoint_loads() -> bool:
 
     load_checkpoint_guess_config._sd_accel = True
     sd.load_checkpoint_guess_config = load_checkpoint_guess_config
+    _tag_diffusion_model_loads(sd)
     return True
+
+
+def _tag_diffusion_model_loads(sd) -> None:
+    """``comfy.sd.load_diffusion_model`` (UNETLoader, "Load Diffusion Model": a FLUX.1 or SD3 file in
+    ``models/diffusion_models``) remembers its file on the MODEL's BaseModel too."""
+    original = getattr(sd, "load_diffusion_model", None)
+    if original is None or getattr(original, "_sd_accel", False):
+        return
+
+    @functools.wraps(original)
+    def load_diffusion_model(unet_path, *args, **kwargs):
+        out = original(unet_path, *args, **kwargs)
+        try:
+            tag_source(getattr(out, "model", None), unet_path)
+        except Exception as exc:  # noqa: BLE001  (never break a load: engines are then keyed by fingerprint)
+            log.debug("sd-accel: could not tag the diffusion model: %s", exc)
+        return out
+
+    load_diffusion_model._sd_accel = True
+    sd.load_diffusion_model = load_diffusion_model

@@ -47,6 +47,8 @@ class SdAccelBuildEngines:
                 "height": ("STRING", {"default": "512", "tooltip": "pixels, multiples of 8 (custom preset)"}),
                 "width": ("STRING", {"default": "512", "tooltip": "pixels, multiples of 8 (custom preset)"}),
                 "tokens": ("STRING", {"default": "77-154", "tooltip": "77 per prompt chunk (custom preset)"}),
+                "text": ("STRING", {"default": "", "tooltip": "FLUX / SD3: T5 tokens, N or MIN-MAX (empty: "
+                                    "ComfyUI's, FLUX 256, SD3 77)"}),
             },
         }
 
@@ -58,11 +60,11 @@ class SdAccelBuildEngines:
     DESCRIPTION = "Builds sd-accel engines for the MODEL (and VAE); returns the MODEL with the engines applied."
 
     def build(self, model, components, preset, backend, precision, vae=None, clip=None, batch="1-2", height="512",
-              width="512", tokens="77-154"):
+              width="512", tokens="77-154", text=""):
         from sd_accel.comfyui.build import build, profile_for
         from sd_accel.comfyui.unet import apply_engines
 
-        profile = profile_for(preset, batch, height, width, tokens)
+        profile = profile_for(preset, batch, height, width, tokens, text)
         records = build(model, vae, tuple(components.split("+")), profile, backend, precision, clip=clip)
         applied, _ = apply_engines(model)
         return (applied, _records_text(records))

@@ -43,6 +43,8 @@ import torch
 
 from sd_accel.comfyui import host
 from sd_accel.comfyui.identity import describe, patch_set, unet_weights_id
+from sd_accel.comfyui.patches import callable_name as _name
+from sd_accel.comfyui.patches import patch_names as _patch_names
 from sd_accel.comfyui.state import State, state
 from sd_accel.components.ldm_control_unet import COMPONENT as CONTROL
 from sd_accel.components.ldm_control_unet import control_feed, control_names, ldm_layout, sliced_control
@@ -53,26 +55,6 @@ log = logging.getLogger("sd_accel")
 
 KEY = "sd_accel"  # the wrappers' key on the ModelPatcher
 KEPT_REFITS = 1  # patch sets kept refitted per checkpoint (each a patched copy of the engines in memory)
-
-
-def _name(fn: Any) -> str:
-    fn = getattr(fn, "__func__", fn)
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{module}.{qual}".replace(".<locals>", "")
-
-
-def _patch_names(options: dict, key: str) -> list[str]:
-    found = []
-    for where, items in (options.get(key) or {}).items():
-        if not items:
-            continue
-        if key == "patches_replace":  # {"attn1": {(block, n, idx): fn}, ...}
-            fns = list(items.values()) if isinstance(items, dict) else list(items)
-        else:
-            fns = list(items) if isinstance(items, (list, tuple)) else [items]
-        found.append(f"{where}: {', '.join(sorted({_name(f) for f in fns}))}")
-    return found
 
 
 def call_reason(options: dict | None, kwargs: dict) -> str | None:
@@ -370,8 +352,11 @@ def _trace(unet: torch.nn.Module):
 
 def apply_engines(patcher, st: State | None = None, cache_dir=None):
     """A clone of ``patcher`` (a MODEL) whose UNet calls go to engines where they cover them."""
+    from sd_accel.comfyui import transformer
     from sd_accel.comfyui.identity import checkpoint_id
 
+    if transformer.is_transformer(patcher):  # FLUX.1, SD3 / SD3.5: their own wrappers
+        return transformer.apply_engines(patcher, st, cache_dir)
     st = st or state()
     model = patcher.model
     unet = model.diffusion_model

@@ -126,14 +126,17 @@ def load_single_file(
     shapes = read_shapes(path)
     from sd_accel.models.flux import flux_prefix, load_flux
     from sd_accel.models.sd3 import load_sd3, sd3_prefix
+    from sd_accel.models.source import tag_loaded
 
     if flux_prefix(shapes) is not None:
         pipe, family, _ = load_flux(path, shapes, parts, torch_dtype)
         pipe.sd_accel_model = ModelInfo(str(path), family, False, "flow")
+        tag_loaded(pipe, original, family, ("transformer",))  # ComfyUI's engines of this file serve it
         return pipe
     if sd3_prefix(shapes) is not None:
         pipe = load_sd3(path, shapes, parts, torch_dtype)
         pipe.sd_accel_model = ModelInfo(str(path), "sd3", False, "flow")
+        tag_loaded(pipe, original, "sd3", ("transformer",))
         return pipe
     if parts:
         raise InvalidValue(f"parts= is for SD3 / SD3.5 and FLUX.1 files; {path.name} is neither")

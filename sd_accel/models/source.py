@@ -38,9 +38,13 @@ SHARED: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
     "vae": {"vae_decoder": (("ldm_vae_decoder", ""),), "vae_encoder": (("ldm_vae_encoder", ""),)},
     "text_encoder": {"clip": (("ldm_clip", ""), ("comfy_clip", ".{encoder}"))},
     "text_encoder_2": {"clip2": (("comfy_clip", ".{encoder}"),)},
+    # FLUX.1 / SD3: ComfyUI builds diffusers' own transformer from its Flux / MMDiT, keyed by the file
+    "transformer": {"transformer": (("transformer", ""),)},
 }
 # every such component name: they serve a pipeline's components, whose stats count their calls
-SHARED_COMPONENTS = frozenset(other for slot in SHARED.values() for pairs in slot.values() for other, _ in pairs)
+# (not ``transformer``: ComfyUI's is the pipeline's own component, built from the same module class)
+SHARED_COMPONENTS = frozenset(other for slot in SHARED.values() for own, pairs in slot.items() for other, _ in pairs
+                              if other != own)
 
 
 def encoder_name(family: str, slot: str) -> str:
@@ -101,10 +105,11 @@ class CheckpointSource:
         return None
 
 
-def tag_loaded(pipe: Any, path: str | Path, family: str) -> None:
-    """Record that ``pipe``'s UNet, VAE and text encoders hold the weights of the checkpoint file
+def tag_loaded(pipe: Any, path: str | Path, family: str, slots: tuple[str, ...] | None = None) -> None:
+    """Record that ``pipe``'s UNet, VAE and text encoders (or only ``slots``: a FLUX.1 / SD3 file's
+    transformer, its other parts being files of their own) hold the weights of the checkpoint file
     ``path``, of model family ``family`` (``sd15``, ``sd2-v``, ``sdxl`` ...)."""
-    for slot in SHARED:
+    for slot in slots if slots is not None else SHARED:
         module = getattr(pipe, slot, None)
         if isinstance(module, torch.nn.Module):
             object.__setattr__(module, _ATTR, CheckpointSource.take(module, path, encoder_name(family, slot)))

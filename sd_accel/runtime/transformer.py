@@ -39,7 +39,13 @@ class EngineTransformer(EngineModule):
             except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
                 engines.torch_call(f"inputs the engine cannot take ({type(exc).__name__}: {exc})")
             else:
-                out = engines.run(feed, need=("latent",))
+                # the engines ComfyUI built from the same file (:mod:`sd_accel.models.source`) take
+                # what this module's own do not cover, counted as this module's
+                shared = self.shared.get("transformer")
+                if shared is not None and not engines.covering(feed) and shared.covering(feed):
+                    out = shared.run(feed, need=("latent",))
+                else:
+                    out = engines.run(feed, need=("latent",))
         if out is None:
             return self.torch_fallback()(hidden_states, encoder_hidden_states, pooled_projections, timestep,
                                          *args, **kwargs)

@@ -79,10 +79,27 @@ class Comfy:
             return guider.sample(noise, sigmas)
 
 
-def make_checkpoint(folder: Path, name: str = "tiny-sd15", seed: int = 0) -> Path:
-    path = folder / "checkpoints" / f"{name}.safetensors"
+    def sample_dit(self, model, positive: dict, negative: dict, steps: int = 2, size: int = 64, seed: int = 0,
+                   cfg: float = 3.0, batch: int = 1) -> torch.Tensor:
+        """KSampler (euler, simple) for a transformer model (Flux, SD3): conds given as ComfyUI's
+        (``cross_attn``, ``pooled_output``, Flux's ``guidance``): the latent, as KSampler returns it."""
+        base = model.model
+        guider = self.samplers.CFGGuider(model)
+        guider.set_conds([dict(positive)], [dict(negative)])
+        guider.set_cfg(cfg)
+        g = torch.Generator().manual_seed(seed)
+        noise = torch.randn(batch, base.latent_format.latent_channels, size // 8, size // 8, generator=g)
+        sigmas = self.samplers.simple_sigmas(base.model_sampling, steps)
+        with torch.inference_mode():
+            return base.process_latent_out(guider.sample(noise, sigmas))
+
+
+def make_checkpoint(folder: Path, name: str = "tiny-sd15", seed: int = 0, family: str = "sd15",
+                    kind: str = "checkpoints") -> Path:
+    """A stand-in model file in ``models/<kind>`` (``diffusion_models`` for UNETLoader's)."""
+    path = folder / kind / f"{name}.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"seed": seed}))
+    path.write_text(json.dumps({"seed": seed, "family": family}))
     return path
 
 

@@ -34,9 +34,21 @@ class CFGGuider:
         batch = torch.cat([x, x])
         sig = torch.cat([sigma, sigma])
         c = {"c_crossattn": context, "transformer_options": to}
+        model = self.inner_model
+        extras = [model.extra_conds(**{k: v for k, v in cond.items() if k not in ("cross_attn", "control")})
+                  for cond in conds]
+        def rows(t):  # CONDRegular: each cond's value repeated to its rows, the conds concatenated
+            return t.repeat((x.shape[0],) + (1,) * (t.ndim - 1))
+
+        for key in extras[0]:
+            if torch.is_tensor(extras[0][key]):
+                c[key] = torch.cat([rows(e[key]) for e in extras])
+            elif isinstance(extras[0][key], list):  # CONDList: item by item
+                c[key] = [torch.cat([rows(e[key][i]) for e in extras]) for i in range(len(extras[0][key]))]
+            else:
+                c[key] = extras[0][key]
         if control is not None:
             c["control"] = control.get_control(batch, sig, c, len(conds))
-        model = self.inner_model
         if "model_function_wrapper" in self.model_options:
             out = self.model_options["model_function_wrapper"](
                 model.apply_model, {"input": batch, "timestep": sig, "c": c, "cond_or_uncond": [0, 1]})
@@ -78,3 +90,10 @@ def normal_sigmas(model_sampling, steps: int) -> torch.Tensor:
     ts = torch.linspace(999, 0, steps)
     sig = torch.stack([model_sampling.sigmas[int(t)] for t in ts])
     return torch.cat([sig, sig.new_zeros(1)])
+
+
+def simple_sigmas(model_sampling, steps: int) -> torch.Tensor:
+    """ComfyUI's ``simple`` scheduler: evenly spaced over the model's sigma table, then 0."""
+    sigs = model_sampling.sigmas
+    ss = len(sigs) / steps
+    return torch.cat([torch.stack([sigs[-(1 + int(i * ss))] for i in range(steps)]), sigs.new_zeros(1)])

@@ -115,11 +115,102 @@ class CLIP:
             return self.encode_from_tokens(self.tokenize(text))
 
 
+# Tiny widths of the transformer families, with ComfyUI's unet_config keys (model_detection's).
+FLUX_CONFIG = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=48,
+                   hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=2, axes_dim=[4, 14, 14],
+                   theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True, txt_ids_dims=[])
+SD3_CONFIG = dict(in_channels=16, out_channels=16, patch_size=2, depth=2, adm_in_channels=64, pos_embed_max_size=16,
+                  num_patches=256, qk_norm="rms", x_block_self_attn_layers=[0],
+                  context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 48, "out_features": 128}})
+
+
+def _randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in module.named_parameters():
+            if name.endswith(("scale", "ln_q.weight", "ln_k.weight")):  # RMS norm gains around 1
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 / max(1, p.shape[-1]) ** 0.5))
+        for name, b in module.named_buffers():
+            if name == "pos_embed":
+                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+    return module.eval()
+
+
+def diffusion_model_for(family: str, seed: int = 0) -> BaseModel:
+    """The BaseModel of a stand-in file's family: ``sd15`` (default), ``flux-dev``, ``flux-schnell``, ``sd3``."""
+    from comfy import model_base
+
+    if family.startswith("flux"):
+        from comfy.ldm.flux.model import Flux
+
+        cfg = dict(FLUX_CONFIG, guidance_embed=family == "flux-dev")
+        return model_base.Flux(_randomized(Flux(**cfg), seed), shift=1.15 if family == "flux-dev" else 1.0)
+    if family == "sd3":
+        from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper
+
+        return model_base.SD3(_randomized(OpenAISignatureMMDITWrapper(**SD3_CONFIG), seed))
+    return BaseModel(UNetModel(seed))
+
+
+def _read(path) -> tuple[int, str]:
+    data = json.loads(Path(path).read_text())
+    return int(data.get("seed", 0)), str(data.get("family", "sd15"))
+
+
 def load_checkpoint_guess_config(ckpt_path, output_vae=True, output_clip=True, output_clipvision=False,
                                  embedding_directory=None, output_model=True, model_options={}, te_model_options={}):  # noqa: B006  (ComfyUI's signature)
-    seed = int(json.loads(Path(ckpt_path).read_text()).get("seed", 0))
-    model = ModelPatcher(BaseModel(UNetModel(seed)).eval(), torch.device("cpu"), torch.device("cpu"))
+    seed, family = _read(ckpt_path)
+    if family != "sd15":  # (the transformer families' text encoders and VAE are not stood in for)
+        with torch.inference_mode():  # ComfyUI runs its loader nodes so: the weights are inference tensors
+            model = ModelPatcher(diffusion_model_for(family, seed).eval(), torch.device("cpu"), torch.device("cpu"))
+        return model, None, None, None
+    model = ModelPatcher(diffusion_model_for(family, seed).eval(), torch.device("cpu"), torch.device("cpu"))
     return model, CLIP(seed), VAE(AutoencoderKL(seed)), None
+
+
+def flux_config(shapes: dict, prefix: str = "") -> dict:
+    """model_detection's unet_config of a FLUX.1 file in Black Forest Labs' layout. (ComfyUI fixes 24
+    heads of 128 lanes, rotary axes [16, 56, 56]; the stand-in reads the head width from the file,
+    so that tiny files load.)"""
+    head = shapes[f"{prefix}double_blocks.0.img_attn.norm.query_norm.scale"][0]
+    hidden = shapes[f"{prefix}img_in.weight"][0]
+    first = head // 8
+
+    def count(kind):
+        return len({k[len(prefix + kind) + 1:].split(".")[0] for k in shapes if k.startswith(prefix + kind + ".")})
+
+    return dict(FLUX_CONFIG, in_channels=shapes[f"{prefix}img_in.weight"][1] // 4, hidden_size=hidden,
+                num_heads=hidden // head, axes_dim=[first, (head - first) // 2, head - first - (head - first) // 2],
+                context_in_dim=shapes[f"{prefix}txt_in.weight"][1], vec_in_dim=shapes[f"{prefix}vector_in.in_layer.weight"][1],
+                depth=count("double_blocks"), depth_single_blocks=count("single_blocks"),
+                guidance_embed=f"{prefix}guidance_in.in_layer.weight" in shapes)
+
+
+def load_diffusion_model(unet_path, model_options={}):  # noqa: B006  (ComfyUI's signature: UNETLoader)
+    """A diffusion-model-only file (``models/diffusion_models``): the MODEL alone. A real FLUX.1
+    safetensors file (Black Forest Labs' keys) loads as ComfyUI loads it; a stand-in JSON file by seed."""
+    with torch.inference_mode():  # ComfyUI runs its loader nodes so: the weights are inference tensors
+        return _load_diffusion_model(unet_path)
+
+
+def _load_diffusion_model(unet_path):
+    try:
+        seed, family = _read(unet_path)
+    except (UnicodeDecodeError, ValueError):
+        from safetensors.torch import load_file
+
+        from comfy import model_base
+        from comfy.ldm.flux.model import Flux
+
+        state = load_file(str(unet_path))
+        prefix = "model.diffusion_model." if any(k.startswith("model.diffusion_model.") for k in state) else ""
+        state = {k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)}
+        dm = Flux(**flux_config({k: tuple(v.shape) for k, v in state.items()}))
+        dm.load_state_dict(state)
+        return ModelPatcher(model_base.Flux(dm.eval()).eval(), torch.device("cpu"), torch.device("cpu"))
+    return ModelPatcher(diffusion_model_for(family, seed).eval(), torch.device("cpu"), torch.device("cpu"))
 
 
 def lora_for(model: ModelPatcher, seed: int, rank: int = 2) -> dict:

@@ -1,0 +1,267 @@
+"""ComfyUI's FLUX.1 and SD3 / SD3.5 transformers on engines: one wrapper per sampling run, one per call.
+
+The engine is diffusers' transformer (:mod:`sd_accel.components.flux`, :mod:`sd_accel.components.sd3`:
+component ``transformer``) built from ComfyUI's weights (:mod:`.flux`, :mod:`.mmdit` convert them),
+keyed by the checkpoint file as the UNet's are (``ckpt-<10 hex>``).
+
+The call is caught at ``apply_model`` (an APPLY_MODEL wrapper), not at the diffusion model:
+ComfyUI 0.8's MMDiT (``OpenAISignatureMMDITWrapper.forward``) runs no DIFFUSION_MODEL wrappers,
+and one hook for both families keeps one path. The wrapper does what ``BaseModel._apply_model``
+does around the diffusion model, with the model's own functions (``model_sampling.calculate_input``,
+``timestep``, ``process_timestep``, ``calculate_denoised``), and feeds the engine in between;
+anything it does not cover goes to ``executor(...)``, ComfyUI's own path, counted with the reason:
+LoRA patches (not refitted on these engines yet), ControlNet residuals, transformer patches and
+block replacements, other packs' DIFFUSION_MODEL / APPLY_MODEL wrappers, arguments the engine
+lacks (Kontext's reference latents, attention masks), a shape no profile covers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sd_accel.comfyui import host
+from sd_accel.comfyui.patches import callable_name, patch_names
+from sd_accel.comfyui.state import State, state
+
+log = logging.getLogger("sd_accel")
+
+KEY = "sd_accel"
+COMPONENT = "transformer"
+LORA_REASON = "LoRA on FLUX/SD3 engines not supported yet"
+# the extra conds each family's engine takes (any other, not None, sends the call to PyTorch)
+_TAKEN = {"flux": ("y", "guidance"), "sd3": ("y",)}
+
+
+def family_module(diffusion_model: Any):
+    """:mod:`.flux` or :mod:`.mmdit` for ComfyUI's transformer, None for any other model."""
+    from sd_accel.comfyui import flux, mmdit
+
+    if flux.is_flux(diffusion_model):
+        return flux
+    if mmdit.is_mmdit(diffusion_model):
+        return mmdit
+    return None
+
+
+def is_transformer(model: Any) -> bool:
+    """A ComfyUI BaseModel (or its ModelPatcher) whose diffusion model is a FLUX.1 or MMDiT."""
+    base = getattr(model, "model", model)
+    return family_module(getattr(base, "diffusion_model", None)) is not None
+
+
+@dataclass
+class Run:
+    patcher: Any
+    engines: Any = None
+    reason: str | None = None  # the whole run in PyTorch, and why
+    torch_calls: dict[str, int] = field(default_factory=dict)
+
+
+class EngineTransformer:
+    """Engines for one checkpoint's transformer, reached through the two wrappers."""
+
+    def __init__(self, ckpt_id: str, family: str, st: State | None = None) -> None:
+        self.ckpt_id = ckpt_id
+        self.family = family
+        self._state = st
+        self.run: Run | None = None
+        self.last_report: str | None = None
+
+    @property
+    def state(self) -> State:
+        return self._state or state()
+
+    def prepare(self, patcher) -> Run:
+        run = Run(patcher)
+        if patcher is None:
+            run.reason = "the sampler gave no ModelPatcher: its patches are not known"
+            return run
+        if getattr(patcher, "hook_patches", None) or getattr(patcher, "current_hooks", None):
+            run.reason = "hook LoRAs / weight hooks are not in the engine"
+            return run
+        objects = sorted(k for k in getattr(patcher, "object_patches", {}) if str(k).startswith("diffusion_model"))
+        if objects:
+            run.reason = f"object patches of the diffusion model ({', '.join(objects)}) are not in the engine"
+            return run
+        if lora_patched(patcher):
+            run.reason = LORA_REASON
+            return run
+        dm = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+        fam = family_module(dm)
+        odd = fam.unsupported(dm) if fam is not None else "the MODEL's diffusion model is no longer a FLUX.1 / MMDiT"
+        if odd is not None:
+            run.reason = odd
+            return run
+        engines, why = self.state.engines_or_reason(self.ckpt_id, COMPONENT)
+        run.engines = engines
+        if engines is None:
+            run.reason = why or f"no transformer engine for {self.ckpt_id} here (build one with the sd-accel Build Engines node)"
+        else:
+            engines.reset_stats()
+        return run
+
+    def outer_sample(self, executor, *args, **kwargs):
+        """``outer_sample`` wrapper: the run's engines (or why none), sample, report."""
+        guider = getattr(executor, "class_obj", None)
+        run = self.prepare(getattr(guider, "model_patcher", None))
+        self.run = run
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            self.last_report = self.report(run)
+            log.info("%s", self.last_report)
+            self.run = None
+
+    def _reason(self, base, c_concat, control, options: dict, kwargs: dict) -> str | None:
+        patches = patch_names(options, "patches") + patch_names(options, "patches_replace")
+        if patches:
+            return f"transformer patches ({'; '.join(patches)}) are not in the engine"
+        wrappers = options.get("wrappers") or {}
+        kinds = host.wrappers()
+        others = sorted({callable_name(f) for kind in (kinds.DIFFUSION_MODEL, kinds.APPLY_MODEL)
+                         for k, fns in (wrappers.get(kind) or {}).items() if k != KEY for f in fns or []})
+        if others:
+            return f"other model wrappers ({', '.join(others)}) are not in the engine"
+        if control is not None:
+            return "ControlNet residuals on FLUX/SD3 engines are not supported yet"
+        extra = sorted(k for k, v in kwargs.items() if v is not None and k not in _TAKEN[self.family])
+        if extra:
+            return f"arguments the engine was not built for: {', '.join(extra)}"
+        fam = family_module(base.diffusion_model)
+        if self.family == "flux":
+            return fam.call_reason(base.diffusion_model, kwargs.get("guidance"), kwargs, options)
+        return fam.call_reason(base.diffusion_model, kwargs.get("y"), kwargs, options)
+
+    def apply_model(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None,
+                    **kwargs):
+        """APPLY_MODEL wrapper: ``BaseModel._apply_model`` with the diffusion model on the engine."""
+        options = transformer_options if transformer_options is not None else {}
+        base = executor.class_obj
+        run = self.run or Run(None, reason="a model call outside a sampling run: the patches on the weights are not known")
+
+        def in_torch() -> torch.Tensor:
+            return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+
+        reason = run.reason or self._reason(base, c_concat, control, options, kwargs)
+        if reason is not None:
+            self._count_torch(run, reason)
+            return in_torch()
+        sampling = base.model_sampling
+        sigma = t
+        xc = sampling.calculate_input(sigma, x)
+        if c_concat is not None:  # (Flux Fill / depth / canny: extra latent channels, as ComfyUI adds them)
+            xc = torch.cat([xc, c_concat.to(xc)], dim=1)
+        timestep = base.process_timestep(sampling.timestep(t).float(), x=x, **kwargs)
+        dm = base.diffusion_model
+        fam = family_module(dm)
+        if self.family == "flux":
+            feed, shape = fam.feed(dm, xc, timestep, c_crossattn, kwargs.get("y"), kwargs.get("guidance"))
+        else:
+            feed, shape = fam.feed(dm, xc, timestep, c_crossattn, kwargs.get("y"))
+        out = run.engines.run(feed, need=("latent",))
+        if out is None:  # counted, with the reason, by the engines
+            return in_torch()
+        # copy: the engine reuses its output buffer on the next call
+        model_output = fam.output(out["latent"], shape).to(device=x.device, dtype=torch.float32, copy=True)
+        return sampling.calculate_denoised(sigma, model_output, x)
+
+    def _count_torch(self, run: Run, reason: str) -> None:
+        if run.engines is not None:
+            run.engines.torch_call(reason)
+            return
+        if reason not in run.torch_calls:
+            self.state.say_once(f"the {self.family} transformer runs in PyTorch: {reason}")
+        run.torch_calls[reason] = run.torch_calls.get(reason, 0) + 1
+
+    def report(self, run: Run) -> str:
+        """``sd-accel: transformer calls this run: N on engines, M in PyTorch (k x why; ...)``."""
+        on = off = 0
+        reasons: dict[str, int] = {}
+        if run.engines is not None:
+            stats = run.engines.stats
+            on, off = stats.engine_calls, stats.torch_calls
+            reasons.update(stats.fallbacks)
+        for why, n in run.torch_calls.items():
+            reasons[why] = reasons.get(why, 0) + n
+            off += n
+        line = f"sd-accel: {self.family} transformer calls this run: {on} on engines, {off} in PyTorch"
+        if reasons:
+            line += " (" + "; ".join(f"{n}x {why}" for why, n in reasons.items()) + ")"
+        return line
+
+
+def lora_patched(patcher) -> bool:
+    """The MODEL carries patches of the diffusion model's weights (a LoRA loader's)."""
+    return any(str(k if isinstance(k, str) else k[0]).startswith("diffusion_model.")
+               for k in (getattr(patcher, "patches", {}) or {}))
+
+
+def apply_engines(patcher, st: State | None = None, cache_dir=None):
+    """A clone of ``patcher`` (a FLUX.1 or SD3 MODEL) whose transformer calls go to engines where
+    they cover them; returns (clone, binding)."""
+    from sd_accel.comfyui.identity import checkpoint_id
+
+    st = st or state()
+    model = patcher.model
+    dm = model.diffusion_model
+    fam = family_module(dm)
+    if host.source_of(model) is None and getattr(patcher, "backup", None):
+        from sd_accel.core import InvalidValue
+
+        raise InvalidValue("this MODEL was not loaded from a model file and its weights carry patches right now, so "
+                           "its base weights cannot be identified: apply sd-accel engines before the LoRA loaders")
+    ckpt = checkpoint_id(model, cache_dir or st.engine_dir(), fingerprint_of=dm)
+    clone = patcher.clone()
+    kinds = host.wrappers()
+    for kind in (kinds.OUTER_SAMPLE, kinds.DIFFUSION_MODEL, kinds.APPLY_MODEL):
+        clone.remove_wrappers_with_key(kind, KEY)
+    binding = EngineTransformer(ckpt, fam.FAMILY, st)
+    clone.add_wrapper_with_key(kinds.OUTER_SAMPLE, KEY, binding.outer_sample)
+    clone.add_wrapper_with_key(kinds.APPLY_MODEL, KEY, binding.apply_model)
+    why = fam.unsupported(dm)
+    if why is not None:
+        st.say_once(f"{ckpt}: {why}: its calls run in PyTorch")
+        return clone, binding
+    engines, why = st.engines_or_reason(ckpt, COMPONENT)
+    if engines is None:
+        st.say_once(f"no transformer engine for {ckpt} yet ({why or 'none built'}): its calls run in PyTorch until "
+                    "one is built with the sd-accel Build Engines node")
+    return clone, binding
+
+
+class _Pipe:
+    """What the library's transformer specs read of a pipeline: the module, the VAE's scale."""
+
+    vae = None
+    vae_scale_factor = 8
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self.transformer = transformer
+
+
+class FluxFromComfy(_Pipe):
+    """(named for the specs' family lookups: ``Flux…``)"""
+
+
+class StableDiffusion3FromComfy(_Pipe):
+    """(named for the specs' family lookups: ``StableDiffusion3…``)"""
+
+
+# ComfyUI's T5 lengths when the profile does not say: Flux pads T5 to 256 tokens (longer prompts
+# grow), SD3 to 77, after CLIP's 77 columns.
+DEFAULT_TEXT = {"flux": 256, "sd3": 77}
+
+
+def profile_for(profile, part) -> Any:
+    """A transformer part's profile: ComfyUI's T5 length for its family where ``profile`` names
+    none; any other part's: ``profile``."""
+    from dataclasses import replace
+
+    if part.component != COMPONENT or profile.text is not None:
+        return profile
+    n = DEFAULT_TEXT["flux" if str(part.facts.get("family", "")).startswith("flux") else "sd3"]
+    return replace(profile, text=(n, n, n))

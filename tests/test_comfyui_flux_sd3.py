@@ -1,0 +1,231 @@
+"""ComfyUI's FLUX.1 and SD3 / SD3.5 transformers on engines, in the stand-in ComfyUI
+(``tests/comfyui_stub``: its ``Flux`` and ``OpenAISignatureMMDITWrapper`` keep ComfyUI 0.8's key
+layouts, padding, rotary ids and sigma -> timestep mappings, tiny widths, random weights).
+
+What is checked: ComfyUI's model and diffusers' transformer made from its weights agree on the
+same call (the timestep and guidance scales, odd latent sides); the build node makes a
+``transformer`` engine keyed by the model file; a sampling run on the applied MODEL counts its
+calls on the engine and gives ComfyUI's own latent within tolerance; LoRA patches, ControlNet
+residuals, transformer patches, Kontext references and sizes no profile covers run in PyTorch with
+the reason in the run's log line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STUB = Path(__file__).resolve().parent / "comfyui_stub"
+sys.path.insert(0, str(STUB))
+import comfy_harness as harness  # noqa: E402
+
+sys.path.remove(str(STUB))
+
+CUSTOM = "custom (ranges below)"
+# 64 px (latent 8 x 8: 16 image tokens), cond + uncond in one batch, T5 lengths 12-24
+BUILD = dict(components="unet", preset=CUSTOM, backend="onnxruntime", precision="fp32", batch="1-2",
+             height="64", width="64", tokens="77", text="12-24")
+
+
+@pytest.fixture(autouse=True)
+def comfy_lean(monkeypatch, caplog):
+    monkeypatch.setenv("SD_ACCEL_ORT_THREADS", "1")
+    logger = logging.getLogger("sd_accel")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="sd_accel")
+    yield
+    logger.removeHandler(caplog.handler)
+    harness.purge()
+
+
+def _conds(family: str, tokens: int = 12, seed: int = 0) -> tuple[dict, dict]:
+    """Positive and negative conds as ComfyUI's text encoders give them for the tiny widths."""
+    g = torch.Generator().manual_seed(seed)
+    pooled = 32 if family.startswith("flux") else 64
+    tokens = tokens if family.startswith("flux") else 77 + tokens  # SD3: CLIP's 77 columns, then T5's
+
+    def cond() -> dict:
+        return {"cross_attn": torch.randn(1, tokens, 48, generator=g), "pooled_output": torch.randn(1, pooled, generator=g)}
+
+    return cond(), cond()
+
+
+def _report(caplog) -> str:
+    lines = [r.getMessage() for r in caplog.records if "transformer calls this run" in r.getMessage()]
+    assert lines, "no run report"
+    return lines[-1]
+
+
+def _load(comfy, tmp: Path, family: str, loader: str):
+    if loader == "diffusion_models":  # UNETLoader: the transformer file alone
+        path = harness.make_checkpoint(tmp / "models", f"tiny-{family}", seed=7, family=family, kind="diffusion_models")
+        return comfy.sd.load_diffusion_model(str(path))
+    path = harness.make_checkpoint(tmp / "models", f"tiny-{family}", seed=7, family=family)
+    return comfy.sd.load_checkpoint_guess_config(str(path))[0]
+
+
+@pytest.mark.parametrize("family", ["flux-dev", "flux-schnell", "sd3"])
+def test_diffusers_transformer_computes_comfyuis_call(tmp_path, family):
+    """The mapping itself: ComfyUI's model vs diffusers' transformer (made from its weights) fed as
+    the engine is fed, at an odd latent size, with ComfyUI's timestep (sigma for FLUX, sigma x 1000
+    for SD3) and FLUX's guidance as ComfyUI passes them."""
+    from sd_accel.comfyui import flux, mmdit
+
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, family, "checkpoints")
+    base, dm = model.model, model.model.diffusion_model
+    mod = flux if family.startswith("flux") else mmdit
+    ref = mod.to_diffusers(dm)
+    assert type(ref).__name__ == ("FluxTransformer2DModel" if mod is flux else "SD3Transformer2DModel")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 9, 7, generator=g)
+    t = base.model_sampling.timestep(torch.tensor([0.8, 0.25]))
+    positive, _ = _conds(family)
+    context = torch.cat([positive["cross_attn"]] * 2)
+    y = torch.cat([positive["pooled_output"]] * 2)
+    with torch.no_grad():
+        if mod is flux:
+            guidance = torch.tensor([3.5, 3.5])
+            want = dm(x, t, context, y=y, guidance=guidance)
+            feed, shape = flux.feed(dm, x, t, context, y, guidance)
+            assert ("guidance" in feed) == (family == "flux-dev")
+            wrong = dict(feed, timestep=feed["timestep"] * 1000)  # diffusers scales by 1000 itself
+            off = flux.output(ref(**wrong, return_dict=False)[0], shape)
+            assert (off - want).abs().max() > 1e-3
+        else:
+            want = dm(x, t, context, y=y)
+            feed, shape = mmdit.feed(dm, x, t, context, y)
+        got = mod.output(ref(**feed, return_dict=False)[0], shape)
+    assert got.shape == want.shape == x.shape
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "loader"), [("flux-dev", "diffusion_models"), ("sd3", "checkpoints")])
+def test_transformer_runs_on_its_engine_and_matches_comfyui(tmp_path, caplog, family, loader):
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, family, loader)
+    positive, negative = _conds(family)
+    want = comfy.sample_dit(model, positive, negative)  # ComfyUI's own path (before any engine exists)
+
+    applied, report = comfy.node("SdAccelBuildEngines").build(model, **BUILD)
+    assert report.count("\n") == 0 and ", transformer," in report, report
+    from sd_accel.comfyui.identity import checkpoint_id
+
+    records = comfy.node("SdAccelListEngines").list()["result"][0]
+    ckpt = checkpoint_id(model.model)
+    assert ckpt.startswith("ckpt-") and ckpt in records  # keyed by the model file, as the UNet's are
+
+    got = comfy.sample_dit(applied, positive, negative)
+    line = _report(caplog)
+    assert "2 on engines, 0 in PyTorch" in line, line  # 2 steps, cond + uncond in one call each
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+    # a size no profile covers (96 px: 36 image tokens): PyTorch, said in the run's line
+    comfy.sample_dit(applied, positive, negative, size=96)
+    line = _report(caplog)
+    assert "0 on engines, 2 in PyTorch" in line, line
+
+    # a LoRA on the MODEL: not refitted on these engines yet
+    patched = applied.clone()
+    key = next(k for k, v in patched.model.state_dict().items() if k.startswith("diffusion_model.") and v.ndim == 2)
+    from comfy.weight_adapter import LoRAAdapter
+
+    w = patched.model.state_dict()[key]
+    g = torch.Generator().manual_seed(3)  # (random factors: a uniform shift would vanish in the layer norms)
+    patched.add_patches({key: LoRAAdapter(set(), (torch.randn(w.shape[0], 1, generator=g) * 0.3,
+                                                  torch.randn(1, w.shape[1], generator=g) * 0.3,
+                                                  torch.tensor(1.0), None, None, None))}, 1.0)
+    lora = comfy.sample_dit(patched, positive, negative)
+    line = _report(caplog)
+    assert "LoRA on FLUX/SD3 engines not supported yet" in line and "0 on engines" in line, line
+    assert (lora - want).abs().max() > 1e-4  # the LoRA did change the result (PyTorch ran it)
+    patched.model.current_weight_patches_uuid = None  # (the stub's unpatch: the base weights back)
+    patched.unpatch_model()
+
+    # a transformer patch (a block replacement, as other packs add them): PyTorch, named
+    blocked = applied.clone()
+    blocked.model_options["transformer_options"].setdefault("patches_replace", {})["dit"] = {
+        ("double_block", 0): lambda args, extra: extra["original_block"](args)}
+    comfy.sample_dit(blocked, positive, negative)
+    line = _report(caplog)
+    assert "transformer patches (dit:" in line and "0 on engines" in line, line
+
+
+@pytest.mark.slow
+def test_flux_calls_the_engine_does_not_take_run_in_pytorch(tmp_path, caplog):
+    """ControlNet residuals, Kontext references, a missing guidance: each in PyTorch, named."""
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, "flux-schnell", "checkpoints")
+    applied, _ = comfy.node("SdAccelBuildEngines").build(model, **BUILD)
+    positive, negative = _conds("flux-schnell")
+    want = comfy.sample_dit(applied, positive, negative)
+    assert "2 on engines, 0 in PyTorch" in _report(caplog)
+
+    class Control:  # ComfyUI's ControlNet object, as get_control's result: residuals per block
+        previous_controlnet = None
+
+        def get_control(self, x, sigma, cond, batch):
+            return {"input": [torch.zeros(x.shape[0], 16, 64)], "output": []}
+
+    comfy.sample_dit(applied, dict(positive, control=Control()), dict(negative, control=Control()))
+    line = _report(caplog)
+    assert "ControlNet residuals on FLUX/SD3 engines are not supported yet" in line and "0 on engines" in line, line
+
+    ref = [torch.randn(1, 16, 8, 8)]
+    comfy.sample_dit(applied, dict(positive, reference_latents=ref), dict(negative, reference_latents=ref))
+    line = _report(caplog)
+    assert "ref_latents" in line and "0 on engines" in line, line
+
+    got = comfy.sample_dit(applied, positive, negative)  # and back on the engine
+    assert "2 on engines, 0 in PyTorch" in _report(caplog)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_flux_variant_says_why(tmp_path):
+    from sd_accel.comfyui import flux
+
+    comfy = harness.start(tmp_path)
+    dm = _load(comfy, tmp_path, "flux-dev", "checkpoints").model.diffusion_model
+    assert flux.unsupported(dm) is None
+    dm.params.txt_ids_dims = [0]
+    assert "text rotary ids" in flux.unsupported(dm)
+
+
+@pytest.mark.slow
+def test_comfyuis_flux_engine_serves_load_pipeline_of_the_same_file(tmp_path, caplog):
+    """Keyed by the file: ComfyUI's engine (UNETLoader's FLUX.1 file in Black Forest Labs' layout)
+    serves ``load_pipeline`` + ``accelerate`` of that file (what the CLI and the app run)."""
+    from sd_accel import accelerate, load_pipeline
+    from sd_accel.models.builtin import build_tiny_pipeline
+    from sd_accel.runtime.swap import stats
+
+    from support import transformer_layout as layout
+
+    ref = build_tiny_pipeline("flux-dev")
+    root = tmp_path / "models"
+    for folder in ("diffusion_models", "vae", "text_encoders"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    path = layout.save(layout.flux_transformer_state_dict(ref.transformer), root / "diffusion_models" / "flux1-dev.safetensors")
+    layout.save(layout.vae_state_dict(ref.vae), root / "vae" / "ae.safetensors")
+    layout.save(layout.clip_state_dict(ref.text_encoder), root / "text_encoders" / "clip_l.safetensors")
+    layout.save(layout.t5_state_dict(ref.text_encoder_2), root / "text_encoders" / "t5xxl_fp16.safetensors")
+
+    comfy = harness.start(tmp_path, tmp_path / "engines")
+    model = comfy.sd.load_diffusion_model(str(path))  # (the pack wraps ComfyUI's loader: the file is known)
+    # one image at 64 px (16 tokens), T5 at 16 tokens
+    comfy.node("SdAccelBuildEngines").build(model, **dict(BUILD, batch="1", text="16"))
+    harness.purge()
+
+    pipe = accelerate(load_pipeline(str(path)), engines=True, backend="onnxruntime", engine_dir=tmp_path / "engines")
+    assert any("built by the WebUI or ComfyUI, serve it too" in r.getMessage() for r in caplog.records)
+    on = pipe("a cat", height=64, width=64, num_inference_steps=2, max_sequence_length=16,
+              generator=torch.Generator().manual_seed(0), output_type="latent").images
+    s = stats(pipe)["transformer"]
+    assert s["engine_calls"] == 2 and s["torch_calls"] == 0, s
+    off = ref("a cat", height=64, width=64, num_inference_steps=2, max_sequence_length=16,
+              generator=torch.Generator().manual_seed(0), output_type="latent").images
+    torch.testing.assert_close(on, off, atol=2e-3, rtol=2e-3)
