@@ -369,12 +369,12 @@ def run_pipeline(pipe, key: BatchKey, items: Sequence[WorkItem], should_stop: Ca
 
     # CPU generators, one per image, as sd_accel.generate uses: the seed means the same image
     # alone or in a batch, on any device.
-    from sd_accel.prompts import takes_argument
+    import inspect
 
     generators = [torch.Generator("cpu").manual_seed(item.seed) for item in items]
     negative = {"negative_prompt": [item.negative_prompt for item in items]} if runs_cfg(pipe) else {}
     # img2img pipelines of SD take the size from the init image (resized to it beforehand)
-    size = {"width": key.width, "height": key.height} if takes_argument(pipe, "width") else {}
+    size = {"width": key.width, "height": key.height} if "width" in inspect.signature(pipe.__call__).parameters else {}
     return pipe(
         prompt=[item.prompt for item in items],
         **negative,
