@@ -17,7 +17,9 @@ Each mode runs in a fresh ComfyUI process (started here, stopped by its own pid 
 - ``engines``: first the pack's Build Engines node builds (or finds cached) the UNet and the
   residual-taking UNet for each of ``--presets`` (static-512 and dynamic-512-768: two profiles)
   and the VAE decoder; then the same runs with sd-accel Apply Engines in front of the LoRA loader
-  (a strength change is a refit) and sd-accel's VAE Decode.
+  (a strength change is a refit) and sd-accel's VAE Decode;
+- ``engines-cached``: the same runs in a fresh process with the engines already in the cache (no
+  build in the process: what a later session of the same workflow holds).
 
 Measured from outside the process: ``VmHWM`` (peak RSS) of the ComfyUI process from
 ``/proc/<pid>/status``; the engine build's peak is read after the build, then the mark is reset
@@ -38,13 +40,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from comfyui_workflows import graph, image, mean_abs_diff, post, psnr, sampler_s_per_it, seconds, wait  # noqa: E402
+from comfyui_workflows import graph, image, mean_abs_diff, post, psnr, sampler_s_per_it, seconds  # noqa: E402
 
 _CALLS = re.compile(r"sd-accel: UNet calls this run: (\d+) on engines, (\d+) in PyTorch(.*)")
 
@@ -81,6 +84,24 @@ def log_since(path: Path, mark: int) -> str:
         return f.read().decode(errors="replace")
 
 
+class Sampler(threading.Thread):
+    """VmHWM of ``pid`` read every ``every`` s: what it was last seen at when the process is
+    killed (its /proc entry goes with it)."""
+
+    def __init__(self, pid: int, every: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every, self.peak = pid, every, 0
+        self._halt = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every):
+            self.peak = max(self.peak, vm_kib(self.pid, "VmHWM"))
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
 class Comfy:
     """One ComfyUI process, started in ``folder`` with ``python`` and its log in ``log``."""
 
@@ -115,6 +136,29 @@ class Comfy:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def wait(self, prompt_id: str, timeout: float) -> dict:
+        """The history entry of a finished prompt; raises when it failed or ComfyUI died (an
+        OOM kill is what this script looks for: it must not wait out the timeout)."""
+        start = time.time()
+        while time.time() - start < timeout:
+            if not self.alive():
+                raise SystemExit(f"ComfyUI died (exit {self.proc.returncode}; -9: killed, e.g. out of memory); "
+                                 f"see {self.log}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/history/{prompt_id}", timeout=30) as r:
+                    h = json.loads(r.read())
+            except (OSError, urllib.error.URLError):  # it answers slowly while it exports
+                time.sleep(2)
+                continue
+            entry = h.get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None:
+                if entry["status"].get("status_str") != "success":
+                    msgs = [m for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
+                    raise SystemExit(f"workflow failed: {json.dumps(msgs)[:3000]}")
+                return entry
+            time.sleep(0.5)
+        raise SystemExit(f"prompt {prompt_id} did not finish in {timeout:.0f} s")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -140,17 +184,18 @@ def build_graph(args) -> dict:
 
 
 def run_mode(args, mode: str, root: Path) -> dict:
-    engines = mode == "engines"
+    engines = mode.startswith("engines")
     log = root / f"comfyui-{mode}.log"
     comfy = Comfy(Path(args.comfy), args.python, args.port, log, args.comfy_arg or [])
     out: dict = {"mode": mode, "pid": comfy.pid, "log": str(log), "runs": []}
+    sampler = Sampler(comfy.pid)
     try:
         out["ready_s"] = round(comfy.ready(args.timeout), 1)
         out["idle_rss_gb"] = vm_kib(comfy.pid, "VmRSS") / 2**20
-        if engines:
+        if mode == "engines":
             mark = comfy.mark()
             start = time.time()
-            wait(comfy.url, post(comfy.url, build_graph(args)), args.timeout)
+            comfy.wait(post(comfy.url, build_graph(args)), args.timeout)
             out["build_s"] = round(time.time() - start, 1)
             out["build_peak_gb"] = vm_kib(comfy.pid, "VmHWM") / 2**20
             out["after_build_rss_gb"] = vm_kib(comfy.pid, "VmRSS") / 2**20
@@ -162,8 +207,8 @@ def run_mode(args, mode: str, root: Path) -> dict:
         for strength in (float(s) for s in args.strengths.split(",")):
             mark = comfy.mark()
             tag = f"hostrss_{mode}_lora{strength:g}"
-            entry = wait(comfy.url, post(comfy.url, graph(ns, engines, lora=strength, controlnet=True, prefix=tag)),
-                         args.timeout)
+            entry = comfy.wait(post(comfy.url, graph(ns, engines, lora=strength, controlnet=True, prefix=tag)),
+                               args.timeout)
             text = log_since(log, mark)
             img = image(comfy.url, entry, "7")
             if img is not None:
@@ -176,7 +221,11 @@ def run_mode(args, mode: str, root: Path) -> dict:
                                 "sd_accel_lines": [ln for ln in text.splitlines() if "sd-accel" in ln][-8:]})
         out["runs_peak_gb"] = max(vm_kib(comfy.pid, "VmHWM"), runs_start_peak) / 2**20
         out["peak_gb"] = max(out["runs_peak_gb"], out.get("build_peak_gb", 0.0))
+    except SystemExit as exc:  # a mode that failed (killed for memory) is a result too
+        out["failed"] = str(exc)
+        out["last_seen_peak_gb"] = sampler.peak / 2**20
     finally:
+        sampler.stop()
         if not comfy.alive():
             out["exit_code"] = comfy.proc.returncode  # -9: the kernel's OOM killer
         comfy.stop()
@@ -189,7 +238,8 @@ def compare(root: Path, modes: dict) -> list[dict]:
     except ImportError:
         return []
     rows = []
-    torch_runs, engine_runs = modes.get("torch", {}).get("runs", []), modes.get("engines", {}).get("runs", [])
+    torch_runs = modes.get("torch", {}).get("runs", [])
+    engine_runs = (modes.get("engines") or modes.get("engines-cached") or {}).get("runs", [])
     for t, e in zip(torch_runs, engine_runs, strict=False):
         if t["image"] and e["image"]:
             a, b = Image.open(root / t["image"]).convert("RGB"), Image.open(root / e["image"]).convert("RGB")
@@ -228,9 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(modes[mode], indent=1), flush=True)
     summary = {"modes": modes, "psnr": compare(root, modes),
                "args": {k: v for k, v in vars(args).items() if k not in ("timeout",)}}
-    if "torch" in modes and "engines" in modes:
-        summary["engines_over_torch_gb"] = modes["engines"]["runs_peak_gb"] - modes["torch"]["runs_peak_gb"]
+    for mode in ("engines", "engines-cached"):
+        if "runs_peak_gb" in modes.get("torch", {}) and "runs_peak_gb" in modes.get(mode, {}):
+            summary[f"{mode}_over_torch_gb"] = modes[mode]["runs_peak_gb"] - modes["torch"]["runs_peak_gb"]
     for mode, m in modes.items():
+        if "failed" in m:
+            print(f"{mode:8s} FAILED (peak last seen {m['last_seen_peak_gb']:.2f} GB): {m['failed'][:300]}")
+            continue
         line = f"{mode:8s} peak {m.get('peak_gb', float('nan')):.2f} GB (runs {m.get('runs_peak_gb', float('nan')):.2f}"
         if "build_peak_gb" in m:
             line += f", build {m['build_peak_gb']:.2f}"
