@@ -206,14 +206,22 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     ``validate=False``, as for the full refit): it relies on how the backend loads its engine."""
     from sd_accel.onnx.weights import onnx_values
     from sd_accel.profiles import Profile
+    from sd_accel.runtime.weights import dropping_values, paged_as_used, release
     from sd_accel.validate import validate
 
     if not handle.backend.patches_weights:  # declared in backends/base.py (False by default)
         return None
     patch = handle.backend.patch_weights
     record = handle.record
+    module = _torch_module(spec)
     progress(0.0, "writing the current weights into a copy of the engine")
-    files = patch(handle.cache.engine_dir(record.key), list(record.files), onnx_values(export, weights), out)
+    # A host that parks its torch weights while engines serve (the ComfyUI pack) would otherwise
+    # get them all paged in here, beside the engine being made: each goes back once written.
+    value = dropping_values(onnx_values(export, weights))
+    files = patch(handle.cache.engine_dir(record.key), list(record.files), value, out)
+    value.flush()
+    if module is not None:
+        release(module)
     if files is None:
         shutil.rmtree(out, ignore_errors=True)
         return None
@@ -232,8 +240,9 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     # That item passes within the tolerance, or as close to torch as the base engine's same item
     # was at its build (its record; one item's precision error can exceed a tolerance set for a
     # batch); otherwise the rest of the batch is computed and judged as at the build.
-    result = validate(spec, runner, Profile.from_tag(record.key.profile), record.key.precision,
-                      device=handle.backend.torch_device, items=1, points=("opt",), baseline=record.validation)
+    with paged_as_used(module):  # the torch reference: one parked layer resident at a time
+        result = validate(spec, runner, Profile.from_tag(record.key.profile), record.key.precision,
+                          device=handle.backend.torch_device, items=1, points=("opt",), baseline=record.validation)
     if result.ok:
         log.info("%s: engine refitted by writing its weights (validated, max abs error %.2e)",
                  record.key.name, result.max_abs)
@@ -243,6 +252,15 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
     log.warning("%s: the engine with its weights written in disagrees with torch (%s); refitting in full",
                 record.key.name, result.why)
     return None
+
+
+def _torch_module(spec) -> torch.nn.Module | None:
+    """The torch module ``spec`` validates against, or None where it has none to give."""
+    try:
+        module = spec.torch_module()
+    except Exception:  # noqa: BLE001  (a spec without one: nothing to hand back)
+        return None
+    return module if isinstance(module, torch.nn.Module) else None
 
 
 def needs_rebuild(handle) -> str | None:

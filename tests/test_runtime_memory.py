@@ -304,3 +304,45 @@ def test_parked_pipeline_images_equal_unparked_ones(unet_engines):
         _same_weights(parked.unet, plain.unet)
     for size in (64, 72):  # engine, then torch fallback (the parked weights at another address)
         np.testing.assert_allclose(_generate(parked, size), _generate(plain, size), rtol=0, atol=1e-4)
+
+
+@needs_proc
+def test_a_forward_of_a_parked_module_can_hand_back_each_layers_pages_as_it_goes(tmp_path):
+    """A refit's torch reference runs beside the engine it checks: with paged_as_used, a parked
+    module holds one layer resident at a time, not all of them (issue 46, ComfyUI)."""
+    from support.resident import resident_share
+
+    torch.manual_seed(0)
+    module = Big()
+    x = torch.randn(3, 2048)
+    ref = module(x)
+    weights.park(module, tmp_path, "big")
+    _close(module(x), ref)
+    assert resident_share(module)[1] > 0.8  # a plain forward pages the whole module in
+    weights.release(module)
+    with weights.paged_as_used(module):
+        _close(module(x), ref)
+    mapped, resident = resident_share(module)
+    assert mapped == 1.0 and resident < 0.2, resident
+    with weights.paged_as_used(None):  # nothing to do: a spec without a torch module
+        pass
+
+
+@needs_proc
+def test_weights_read_one_at_a_time_go_back_once_the_next_is_asked_for(tmp_path):
+    """A refit writes a parked module's weights into the engine copy one at a time: each one's
+    pages go back as the next is read, so the module is never resident whole beside the engine."""
+    from support.resident import resident_share
+
+    torch.manual_seed(0)
+    module = Big()
+    weights.park(module, tmp_path, "big")
+    named = dict(module.named_parameters())
+    seen = []
+    value = weights.dropping_values(lambda name: named[name].detach().numpy() if name in named else None)
+    for name in named:
+        seen.append(float(value(name).sum()))
+    assert value("not a weight") is None
+    value.flush()
+    assert resident_share(module)[1] < 0.2
+    assert seen == [float(p.detach().numpy().sum()) for p in named.values()]  # the values, unchanged

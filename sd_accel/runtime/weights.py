@@ -32,12 +32,14 @@ the process ends.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import mmap
 import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +170,59 @@ def release(module: torch.nn.Module) -> int:
         if storage.nbytes() and dropper.maps.holds(storage.data_ptr(), storage.nbytes()):
             dropper.dropped += _page_out(storage.data_ptr(), storage.nbytes())
     return dropper.dropped
+
+
+@contextlib.contextmanager
+def paged_as_used(module: torch.nn.Module | None) -> Iterator[None]:
+    """Within the block, each layer of ``module`` hands back the resident pages of its
+    file-backed (parked) weights as soon as its forward returns: a torch forward of a parked
+    module (a refit's validation reference) then holds one layer's weights at a time, not the
+    whole module beside the engine it checks. Anonymous weights are never touched; data-safe."""
+    if module is None:
+        yield
+        return
+    maps = FileMaps()
+
+    def hand_back(layer, _args, _out) -> None:
+        for t in (*layer.parameters(recurse=False), *layer.buffers(recurse=False)):
+            if t is not None and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                if storage.nbytes() and maps.holds(storage.data_ptr(), storage.nbytes()):
+                    _page_out(storage.data_ptr(), storage.nbytes())
+
+    hooks = [m.register_forward_hook(hand_back) for m in module.modules()
+             if any(True for _ in m.parameters(recurse=False))]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def dropping_values(value):
+    """``value(name)`` (an array-returning lookup such as :func:`sd_accel.onnx.weights.onnx_values`'s)
+    that hands back the file-backed pages of each array it returned once the next one is asked
+    for: a caller copying a parked module's weights one at a time (a refit writing them into an
+    engine) holds one weight resident, not all of them. The last one goes with ``get.flush()``."""
+    maps = FileMaps()
+    last: list = []
+
+    def flush() -> None:
+        while last:
+            arr = last.pop()
+            ptr, nbytes = arr.__array_interface__["data"][0], arr.nbytes
+            if nbytes and maps.holds(ptr, nbytes):
+                _page_out(ptr, nbytes)
+
+    def get(name: str):
+        flush()
+        out = value(name)
+        if out is not None and hasattr(out, "__array_interface__"):
+            last.append(out)
+        return out
+
+    get.flush = flush
+    return get
 
 
 # --------------------------------------------------------------------------- parking
