@@ -14,9 +14,9 @@ Each mode runs in a fresh ComfyUI process (started here, stopped by its own pid 
 
 - ``torch``: ComfyUI's own nodes: txt2img at ``--size`` with the LoRA at each of ``--strengths``
   (in order: 0.7 then 1.0 by default), each with a ControlNet applied;
-- ``engines``: first the pack's Build Engines node builds (or finds cached) the UNet and the
-  residual-taking UNet for each of ``--presets`` (static-512 and dynamic-512-768: two profiles)
-  and the VAE decoder; then the same runs with sd-accel Apply Engines in front of the LoRA loader
+- ``engines``: first the pack's Build Engines node builds (or finds cached) the UNet for each of
+  ``--presets`` (static-512 and dynamic-512-768: two profiles), the residual-taking UNet for
+  ``--control-presets`` (static-512) and the VAE decoder; then the same runs with sd-accel Apply Engines in front of the LoRA loader
   (a strength change is a refit) and sd-accel's VAE Decode;
 - ``engines-cached``: the same runs in a fresh process with the engines already in the cache (no
   build in the process: what a later session of the same workflow holds).
@@ -171,10 +171,12 @@ class Comfy:
 
 
 def build_graph(args) -> dict:
-    """One Build Engines node per (component, preset): the UNet and the residual-taking UNet at
-    each preset, the VAE decoder at the first."""
+    """One Build Engines node per (component, preset): the UNet at each of ``--presets``, the
+    residual-taking UNet (what ControlNet calls run on) at each of ``--control-presets``, the VAE
+    decoder at the first preset."""
     g: dict = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": args.ckpt}}}
-    jobs = [(c, p) for p in args.presets.split(",") for c in ("unet", "unet_control")]
+    jobs = [("unet", p) for p in args.presets.split(",")]
+    jobs += [("unet_control", p) for p in args.control_presets.split(",") if p]
     jobs.append(("vae_decoder", args.presets.split(",")[0]))
     for n, (component, preset) in enumerate(jobs, start=2):
         g[str(n)] = {"class_type": "SdAccelBuildEngines", "inputs": {
@@ -257,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hint", required=True, help="the control image's name in ComfyUI's input/ folder")
     ap.add_argument("--strengths", default="0.7,1.0")
     ap.add_argument("--presets", default="static-512,dynamic-512-768")
+    ap.add_argument("--control-presets", default="static-512",
+                    help="profiles of the residual-taking UNet (a 512 px run calls only the static one)")
     ap.add_argument("--modes", default="torch,engines")
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--steps", type=int, default=4)

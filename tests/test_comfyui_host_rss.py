@@ -38,7 +38,7 @@ def test_build_graph_builds_both_unets_per_preset_and_the_decoder_once():
     import argparse
 
     args = argparse.Namespace(ckpt="sd15.safetensors", presets="static-512,dynamic-512-768", backend="openvino",
-                              precision="bf16")
+                              precision="bf16", control_presets="static-512,dynamic-512-768")
     g = rss.build_graph(args)
     jobs = sorted((n["inputs"]["components"], n["inputs"]["preset"]) for n in g.values()
                   if n["class_type"] == "SdAccelBuildEngines")
