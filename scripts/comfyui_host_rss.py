@@ -21,7 +21,7 @@ Each mode runs in a fresh ComfyUI process (started here, stopped by its own pid 
 - ``engines-cached``: the same runs in a fresh process with the engines already in the cache (no
   build in the process: what a later session of the same workflow holds).
 
-Measured from outside the process: ``VmHWM`` (peak RSS) of the ComfyUI process from
+Measured from outside the process: ``VmHWM`` (peak RSS, reported in GiB) of the ComfyUI process from
 ``/proc/<pid>/status``; the engine build's peak is read after the build, then the mark is reset
 (``/proc/<pid>/clear_refs``, ``5``) so that the runs' peak is their own; the mode's overall peak is
 the larger of the two. From ComfyUI's log (its stdout and stderr): the sampler's s/it (the last
@@ -193,14 +193,14 @@ def run_mode(args, mode: str, root: Path) -> dict:
     sampler = Sampler(comfy.pid)
     try:
         out["ready_s"] = round(comfy.ready(args.timeout), 1)
-        out["idle_rss_gb"] = vm_kib(comfy.pid, "VmRSS") / 2**20
+        out["idle_rss_gib"] = vm_kib(comfy.pid, "VmRSS") / 2**20
         if mode == "engines":
             mark = comfy.mark()
             start = time.time()
             comfy.wait(post(comfy.url, build_graph(args)), args.timeout)
             out["build_s"] = round(time.time() - start, 1)
-            out["build_peak_gb"] = vm_kib(comfy.pid, "VmHWM") / 2**20
-            out["after_build_rss_gb"] = vm_kib(comfy.pid, "VmRSS") / 2**20
+            out["build_peak_gib"] = vm_kib(comfy.pid, "VmHWM") / 2**20
+            out["after_build_rss_gib"] = vm_kib(comfy.pid, "VmRSS") / 2**20
             out["build_log_lines"] = [ln for ln in log_since(log, mark).splitlines() if "sd-accel" in ln][-12:]
             out["peak_reset"] = reset_peak(comfy.pid)
         runs_start_peak = vm_kib(comfy.pid, "VmHWM")
@@ -217,15 +217,15 @@ def run_mode(args, mode: str, root: Path) -> dict:
                 img.save(root / f"{tag}.png")
             out["runs"].append({"strength": strength, "seconds": seconds(entry),
                                 "s_per_it": sampler_s_per_it(str(log), mark),
-                                "peak_so_far_gb": vm_kib(comfy.pid, "VmHWM") / 2**20,
-                                "rss_after_gb": vm_kib(comfy.pid, "VmRSS") / 2**20,
+                                "peak_so_far_gib": vm_kib(comfy.pid, "VmHWM") / 2**20,
+                                "rss_after_gib": vm_kib(comfy.pid, "VmRSS") / 2**20,
                                 "unet_calls": unet_calls(text), "image": f"{tag}.png" if img is not None else None,
                                 "sd_accel_lines": [ln for ln in text.splitlines() if "sd-accel" in ln][-8:]})
-        out["runs_peak_gb"] = max(vm_kib(comfy.pid, "VmHWM"), runs_start_peak) / 2**20
-        out["peak_gb"] = max(out["runs_peak_gb"], out.get("build_peak_gb", 0.0))
+        out["runs_peak_gib"] = max(vm_kib(comfy.pid, "VmHWM"), runs_start_peak) / 2**20
+        out["peak_gib"] = max(out["runs_peak_gib"], out.get("build_peak_gib", 0.0))
     except SystemExit as exc:  # a mode that failed (killed for memory) is a result too
         out["failed"] = str(exc)
-        out["last_seen_peak_gb"] = sampler.peak / 2**20
+        out["last_seen_peak_gib"] = sampler.peak / 2**20
     finally:
         sampler.stop()
         if not comfy.alive():
@@ -283,15 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"modes": modes, "psnr": compare(root, modes),
                "args": {k: v for k, v in vars(args).items() if k not in ("timeout",)}}
     for mode in ("engines", "engines-cached"):
-        if "runs_peak_gb" in modes.get("torch", {}) and "runs_peak_gb" in modes.get(mode, {}):
-            summary[f"{mode}_over_torch_gb"] = modes[mode]["runs_peak_gb"] - modes["torch"]["runs_peak_gb"]
+        if "runs_peak_gib" in modes.get("torch", {}) and "runs_peak_gib" in modes.get(mode, {}):
+            summary[f"{mode}_over_torch_gib"] = modes[mode]["runs_peak_gib"] - modes["torch"]["runs_peak_gib"]
     for mode, m in modes.items():
         if "failed" in m:
-            print(f"{mode:8s} FAILED (peak last seen {m['last_seen_peak_gb']:.2f} GB): {m['failed'][:300]}")
+            print(f"{mode:8s} FAILED (peak last seen {m['last_seen_peak_gib']:.2f} GiB): {m['failed'][:300]}")
             continue
-        line = f"{mode:8s} peak {m.get('peak_gb', float('nan')):.2f} GB (runs {m.get('runs_peak_gb', float('nan')):.2f}"
-        if "build_peak_gb" in m:
-            line += f", build {m['build_peak_gb']:.2f}"
+        line = f"{mode:8s} peak {m.get('peak_gib', float('nan')):.2f} GiB (runs {m.get('runs_peak_gib', float('nan')):.2f}"
+        if "build_peak_gib" in m:
+            line += f", build {m['build_peak_gib']:.2f}"
         its = ", ".join(f"{r['s_per_it']:.2f}" for r in m["runs"])
         print(line + f"); s/it {its}; UNet calls {[r['unet_calls'] for r in m['runs']]}")
     for row in summary["psnr"]:
