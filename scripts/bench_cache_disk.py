@@ -21,7 +21,11 @@ does not depend on it). Then it reports, in bytes with each inode counted once:
   halves' exports (the residual UNet has the UNet's weights); the goal is ``after`` <= 1.2x this;
 - ``optimum-style``: one saved OpenVINO model per plain component (UNet, text encoder, VAE decoder,
   VAE encoder) at the same storage precision, as optimum-intel's ``save_pretrained`` writes: what a
-  user of that tool keeps for the same checkpoint with one profile and no ControlNet.
+  user of that tool keeps for the same checkpoint with one profile and no ControlNet;
+- ``with LoRA at 0.7`` / ``at 1.0`` (``--lora``): the cache while a pipeline on these engines holds
+  a LoRA (rank 4 on the UNet's attention, random) refitted at that strength (``refit_engines``, one
+  set kept, unchecked): what a host that changes a LoRA's strength keeps on disk, refit copies
+  included.
 
 The model has random weights (the SD 1.5 architecture from its shipped configs at ``--real-size``,
 ``builtin:tiny-sd15`` otherwise). Writes ``report.json`` into ``--out`` when given.
@@ -81,6 +85,33 @@ def optimum_style_bytes(model_path: Path, precision: str, scratch: Path) -> int:
     return size
 
 
+def with_lora(model: str, engine_dir: Path, backend: str, precision: str) -> list[tuple[float, int]]:
+    """(strength, bytes on disk under ``engine_dir``) while a pipeline on its engines holds a random
+    rank-4 LoRA on the UNet refitted at 0.7, then at 1.0 (one set kept, as every host does)."""
+    import torch
+    from peft import LoraConfig
+
+    from sd_accel import AccelConfig, accelerate, load_pipeline, refit_engines
+
+    pipe = accelerate(load_pipeline(model), AccelConfig(engines=True, engine_dir=str(engine_dir), backend=backend,
+                                                        precision="fp32", engine_precision=precision))
+    unet = pipe.unet.torch_module if hasattr(pipe.unet, "torch_module") else pipe.unet
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
+                     adapter_name="random")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in unet.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: a LoRA that changes nothing
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.01)
+    out = []
+    for strength in (0.7, 1.0):
+        unet.set_adapters(["random"], weights=[strength])
+        refit_engines(pipe, validate=False, progress=False)
+        out.append((strength, tree_bytes(engine_dir)))
+    del pipe
+    return out
+
+
 def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
@@ -95,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", help="work folder (default: a temp folder, removed after unless --keep)")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--out", help="folder for report.json")
+    p.add_argument("--lora", action="store_true", help="then refit a LoRA at two strengths and measure again")
     args = p.parse_args(argv)
 
     from sd_accel import load_pipeline
@@ -163,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = [("before (own copies, whole exports)", before), ("after (shared weights, slim exports)", after),
             ("one copy of each distinct weight set", one_copy)]
+    if args.lora:
+        for strength, size in with_lora(model, engine_dir, args.backend, precision):
+            report[f"lora_{strength}_bytes"] = size
+            report[f"lora_{strength}_vs_one_copy"] = round(size / one_copy, 3) if one_copy else None
+            rows.append((f"after, with a LoRA refitted at {strength}", size))
     if optimum:
         rows.append(("optimum-style saved model (plain components)", optimum))
     print(f"{model}, {report['backend']} {precision}, engines: {', '.join(r.key.component + ' ' + r.key.profile for r in records)}")

@@ -73,6 +73,46 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
 
 
+def rss_split() -> dict[str, float]:
+    """This process's resident memory now, GB: anonymous (heap, tensors, engines' own buffers) and
+    file-backed (memory-mapped weights the kernel can drop again)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "RssAnon", "RssFile"):
+            fields[name] = round(int(value.split()[0]) / 2**20, 2)
+    return fields
+
+
+class RssWatch:
+    """Samples :func:`rss_split` on a thread: the split at the highest VmRSS seen and the progress
+    message current then (what the peak holds and where it came)."""
+
+    def __init__(self, phases: Phases, every: float = 0.2) -> None:
+        import threading
+
+        self.phases, self.every = phases, every
+        self.at_peak: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            now = rss_split()
+            if now.get("VmRSS", 0.0) > self.at_peak.get("VmRSS", -1.0):
+                phase = self.phases.marks[-1][1] if self.phases.marks else "computing the effective weights"
+                self.at_peak = {**now, "phase": phase}
+
+    def __enter__(self) -> RssWatch:
+        self.at_peak = {**rss_split(), "phase": "before"}
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class Phases:
     """Wall time between successive progress messages: (message, seconds) in order."""
 
@@ -202,9 +242,11 @@ def _timed_refit(pipe, validate: bool = True) -> dict[str, Any]:
     logger.addHandler(said)
     logger.setLevel(logging.INFO)
     reset_peak()
+    before = rss_split()
     start = time.perf_counter()
     try:
-        done = refit_engines(pipe, validate=validate, progress=lambda ev: phases("", ev[2]))
+        with RssWatch(phases) as watch:
+            done = refit_engines(pipe, validate=validate, progress=lambda ev: phases("", ev[2]))
     finally:
         logger.removeHandler(said)
         logger.setLevel(level)
@@ -216,7 +258,7 @@ def _timed_refit(pipe, validate: bool = True) -> dict[str, Any]:
     written = [line.split(": ", 1)[1] if "weights differ" in line else line for line in said.lines
                if "weights differ from the engine's" in line or "batch item" in line]
     return {"seconds": round(end - start, 1), "phases": split, "refitted": done, "peak_rss_gb": peak_rss_gb(),
-            "written": written}
+            "written": written, "rss_before": before, "rss_at_peak": watch.at_peak}
 
 
 def step_refit(args) -> dict[str, Any]:
@@ -228,6 +270,7 @@ def step_refit(args) -> dict[str, Any]:
                                                    precision="fp32"))
     out: dict[str, Any] = {"load_s": round(time.perf_counter() - start, 1), "load_peak_rss_gb": peak_rss_gb()}
     base = _latents(pipe, args)
+    out["rss_after_base"] = rss_split()  # serving on engines, before any LoRA: what the torch modules still hold
     np.save(work / "engine-base.npy", base)
     t = time.perf_counter()
     pipe.load_lora_weights(work / "lora-a", adapter_name="a")

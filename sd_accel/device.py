@@ -1,4 +1,5 @@
-"""What we run on: the device arch key that is part of every engine key, and library versions."""
+"""What we run on: the device arch key that is part of every engine key, library versions, and the
+memory a new allocation can get."""
 
 from __future__ import annotations
 
@@ -101,3 +102,13 @@ def versions() -> dict[str, str | None]:
             ("xformers", "xformers"),
         )
     }
+
+
+def available_memory() -> int | None:
+    """Bytes a new allocation can get now: ``MemAvailable`` plus free swap (``/proc/meminfo``), or
+    None where that cannot be told (no such file: then nothing is refused for memory)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -388,9 +389,16 @@ def openvino_engines(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_refit_on_openvino_engines_fp32_and_bf16(openvino_engines, lora_dir, torch_images):
+@pytest.mark.parametrize("where", ["memory", "copy"])
+def test_refit_on_openvino_engines_fp32_and_bf16(openvino_engines, lora_dir, torch_images, where, monkeypatch):
+    """The fast refit: the engine's graph compiled with its changed weights replaced in memory (no
+    copy of engine.bin on disk), or, for an engine that kept no graph, the new weights written into
+    a copy of engine.bin; nothing converted again either way."""
     from sd_accel import refit_engines
+    from sd_accel.backends.openvino.builder import OpenVinoBackend
 
+    if where == "copy":  # what an engine built before its graph was kept gets
+        monkeypatch.setattr(OpenVinoBackend, "refit_runner", lambda *a, **k: None)
     folder, precisions = openvino_engines
     for precision in precisions:
         pipe = accelerate(load_pipeline("builtin:tiny-sd15"), _config(folder), backend="openvino",
@@ -400,9 +408,14 @@ def test_refit_on_openvino_engines_fp32_and_bf16(openvino_engines, lora_dir, tor
         done = refit_engines(pipe, progress=events.append)
         assert len(done["unet"]) == len(precisions)  # every engine of the UNet, validated
         said = [message for _, _, message in events]
-        # the fast path: new weights written into a copy of engine.bin, nothing converted or compiled
-        assert "writing the current weights into a copy of the engine" in said, said
-        assert not [m for m in said if "converting" in m or "compiling" in m], said
+        assert not [m for m in said if "converting" in m or "exported graph" in m], said
+        copies = [p for p in (Path(folder) / ".refit").glob("p*/**/engine.bin")]
+        if where == "memory":
+            assert "writing the current weights into a copy of the engine" not in said, said
+            assert copies == [], copies
+        else:
+            assert "writing the current weights into a copy of the engine" in said, said
+            assert copies, "no patched copy of engine.bin was written"
         got = _generate(pipe)
         used = stats(pipe)["unet"]["engines_used"]
         assert stats(pipe)["unet"]["engine_calls"] == 2 and all(f".{precision}." in n for n in used)
@@ -647,8 +660,8 @@ def test_openvino_fast_refit_with_validate_false_runs_no_check_and_says_so(
         refit_engines(pipe, progress=events.append, validate=False)
     said = [message for _, _, message in events]
     assert checks == []
-    assert "writing the current weights into a copy of the engine" in said
-    assert not any("compiling" in m for m in said)  # the fast path, not a rebuild
+    assert "compiling the engine with the current weights" in said  # the fast path, in memory
+    assert not any("exported graph" in m or "converting" in m for m in said)  # not a rebuild
     assert any("not validated (validate=False)" in r.getMessage() for r in caplog.records)
     got = _generate(pipe)
     assert stats(pipe)["unet"]["engine_calls"] == 2 and stats(pipe)["unet"]["torch_calls"] == 0

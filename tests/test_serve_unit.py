@@ -350,7 +350,8 @@ def test_app_token_is_checked_on_every_route():
     backend = _Backend()
     c = _client(backend, token="tok")
     routes = [("get", "/sd-accel/health"), ("get", "/sd-accel/engines"), ("get", "/sdapi/v1/samplers"),
-              ("get", "/docs"), ("get", "/openapi.json"), ("get", "/no/such/route"), ("post", "/sdapi/v1/txt2img")]
+              ("get", "/docs"), ("get", "/openapi.json"), ("get", "/no/such/route"), ("post", "/sdapi/v1/txt2img"),
+              ("post", "/sdapi/v1/img2img")]
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "tok"}):
             r = getattr(c, method)(path, headers=headers, **({"json": {}} if method == "post" else {}))
@@ -362,6 +363,29 @@ def test_app_token_is_checked_on_every_route():
     assert any(s["name"] == "Euler a" for s in c.get("/sdapi/v1/samplers", headers=ok).json())
     r = c.post("/sdapi/v1/txt2img", headers=ok, json={"prompt": "x", "seed": 5, "batch_size": 2})
     assert r.status_code == 200 and json.loads(r.json()["info"])["all_seeds"] == [5, 6]
+
+
+def test_app_img2img_sends_the_init_image_and_refuses_a_bad_one_before_the_backend():
+    import base64
+
+    from PIL import Image
+
+    backend = _Backend()
+    c = _client(backend)
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), "red").save(buffer, "PNG")
+    image = base64.b64encode(buffer.getvalue()).decode("ascii")
+    for body in ({"prompt": "x"}, {"prompt": "x", "init_images": ["bm90IGFuIGltYWdl"]},
+                 {"prompt": "x", "init_images": [image], "mask": image}):
+        r = c.post("/sdapi/v1/img2img", json=body)
+        assert r.status_code == 422 and "img2img field" in r.json()["detail"], (body, r.json())
+    assert backend.calls == []
+    r = c.post("/sdapi/v1/img2img", json={"prompt": "x", "seed": 5, "init_images": [f"data:image/png;base64,{image}"],
+                                          "denoising_strength": 0.4})
+    assert r.status_code == 200, r.json()
+    (sent,) = backend.calls
+    assert sent["init_image"] == buffer.getvalue() and sent["strength"] == 0.4
+    assert r.json()["parameters"]["init_images"] == ["<image>"]  # the answer does not echo the image back
 
 
 def test_app_bad_requests_get_422_and_never_reach_the_backend():
@@ -700,3 +724,19 @@ def test_the_batch_wait_defaults_to_none_where_batching_was_not_measured_to_help
     assert default_batch_wait_ms(pipe("cpu")) == (0, "PyTorch on the CPU, where batching was not measured to help")
     assert ServeConfig().batch_wait_ms is None and ServeConfig(batch_wait_ms=30).batch_wait_ms == 30
     assert replica.batch_wait_ms == 200  # given: kept
+
+
+def test_replica_img2img_on_sd15_resizes_the_init_image(replica):
+    """SD 1.5's img2img pipeline takes the size from its image: the init image is resized to the
+    request's, and the strength cuts the steps as in the WebUI."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 72), "blue").save(buffer, "PNG")
+    req = {"prompt": "a red cube", "steps": 4, "cfg": 7.0, "width": 64, "height": 64, "seed": 1, "batch": 1,
+           "init_image": buffer.getvalue(), "strength": 0.5}
+    before = sum(replica.stats()["unet_batches"].values())
+    out = asyncio.run(replica.generate(req))
+    img, _ = _pixels(out["images"][0])
+    assert img.size == (64, 64) and "Denoising strength: 0.5" in img.info["parameters"]
+    assert sum(replica.stats()["unet_batches"].values()) - before == 2  # 4 steps x 0.5

@@ -392,7 +392,7 @@ def test_built_engines_are_refittable_and_say_so(version, precision, refit_case)
         files = refit_case.build(precision)
     assert files == [ENGINE_FILE, META_FILE] and "BuilderFlag.REFIT" in run.used
     meta = json.loads((refit_case.dir / "engine" / META_FILE).read_text())
-    assert meta == {"refittable": True, "precision": precision,
+    assert meta == {"refittable": True, "precision": precision, "weight_streaming": False,
                     "onnx_precision": onnx_precision(precision, features(version)),
                     "graph_constants": 0, "derived_weights": False}
 

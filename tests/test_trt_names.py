@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from support.trt.api_names import (
     POLYGRAPHY,
     REFIT,
     RUNTIME,
+    STREAMING,
     TRT_OBJECTS,
     NameList,
     available_versions,
@@ -83,7 +85,8 @@ def test_known_differences_between_10_and_11():
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
 def test_every_name_the_backend_uses_exists_in_that_version(version, precision):
     listed = load_list(version)
-    missing = {name: listed.missing(name) for name in sorted(used_names(version, precision)) if listed.missing(name)}
+    names = used_names(version, precision) | used_names(version, precision, streaming=True)
+    missing = {name: listed.missing(name) for name in sorted(names) if listed.missing(name)}
     assert not missing, f"TensorRT {version} lacks names the backend uses on its {precision} path: {missing}"
 
 
@@ -249,7 +252,7 @@ def test_every_tensorrt_name_in_the_backend_source_is_declared():
     assert not undeclared, f"used in the backend but not declared in api_names: {sorted(undeclared)}"
     stale = direct - used
     assert not stale, f"declared in api_names RUNTIME/BUILD/REFIT but not used in the source any more: {sorted(stale)}"
-    assert used <= direct | ONLY_10_FP16 | ONLY_11
+    assert used <= direct | ONLY_10_FP16 | ONLY_11 | STREAMING
     everything = "\n".join(_backend_sources().values())
     for var in TRT_OBJECTS:
         assert var in everything, f"TRT_OBJECTS has {var!r}, which the source no longer uses"
@@ -294,6 +297,62 @@ def test_build_path_runs_on_each_versions_names(version, precision, unet_onnx, t
     assert expected <= run.used, f"declared for the build but not touched: {sorted(expected - run.used)}"
     if features(version).strongly_typed_only and precision == "fp16":
         assert (onnx_path.parent / "model.fp16.onnx").exists()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_an_engine_larger_than_half_the_card_is_built_and_loaded_with_weights_streamed(
+        version, unet_onnx, tmp_path, monkeypatch, caplog):
+    """FLUX.1's transformer in fp16 (24 GB) does not fit a 24 GB card beside its activations: an
+    engine whose weights take more than half the card is built with ``BuilderFlag.WEIGHT_STREAMING``
+    on a strongly typed network (an fp16 ONNX, no FP16 flag, on 10.x too) and loaded with
+    TensorRT's automatic budget. TensorRT 10.0 cannot: it builds as before and says so."""
+    import logging
+
+    from sd_accel.backends.tensorrt.builder import (
+        ENGINE_FILE,
+        META_FILE,
+        TensorRTBackend,
+        engine_weight_bytes,
+    )
+    from sd_accel.profiles import PRESETS
+
+    spec, onnx_path, _ = unet_onnx
+    shapes = spec.shape_ranges(PRESETS["dynamic-256-512"])
+    weights = engine_weight_bytes(onnx_path, "fp16")
+    pretend_gpu(monkeypatch, "sm90", memory=weights + weights // 2)  # weights are 2/3 of the card
+    streams = features(version).weight_streaming
+    with dry_run(version) as run, caplog.at_level(logging.WARNING, logger="sd_accel"):
+        backend = TensorRTBackend(tmp_path / "cache")
+        files = backend.build(onnx_path, shapes, "fp16", tmp_path / "engine", lambda f, m: None)
+        runner = on_cpu(backend.load(tmp_path / "engine", files, shapes))
+        budget = (runner.engine.weight_streaming_budget_v2, runner.engine.streamable_weights_size) if streams else None
+        runner.close()
+    meta = json.loads((tmp_path / "engine" / META_FILE).read_text())
+    assert files == [ENGINE_FILE, META_FILE] and meta["weight_streaming"] is streams
+    if streams:
+        assert STREAMING <= run.used, sorted(STREAMING - run.used)
+        assert "BuilderFlag.FP16" not in run.used and meta["onnx_precision"] == "fp16"
+        assert budget[0] == budget[1] // 2 > 0  # TensorRT's automatic budget, set before the context
+    else:
+        assert not (STREAMING - {"NetworkDefinitionCreationFlag.STRONGLY_TYPED"}) & run.used
+        assert any("cannot stream weights" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("version", [NEWEST_10, NEWEST_11])
+def test_an_engine_that_fits_is_not_streamed_unless_asked(version, unet_onnx, tmp_path, monkeypatch):
+    from sd_accel.backends.tensorrt.builder import META_FILE, STREAMING_ENV, TensorRTBackend
+    from sd_accel.profiles import PRESETS
+
+    spec, onnx_path, _ = unet_onnx
+    shapes = spec.shape_ranges(PRESETS["dynamic-256-512"])
+    pretend_gpu(monkeypatch, "sm90")  # 24 GB: the tiny UNet fits many times over
+    for setting, streamed in ((None, False), ("1", True)):
+        if setting:
+            monkeypatch.setenv(STREAMING_ENV, setting)
+        with dry_run(version):
+            TensorRTBackend(tmp_path / "cache").build(onnx_path, shapes, "fp16", tmp_path / str(setting),
+                                                      lambda f, m: None)
+        assert json.loads((tmp_path / str(setting) / META_FILE).read_text())["weight_streaming"] is streamed
 
 
 @pytest.mark.slow

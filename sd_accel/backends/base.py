@@ -114,6 +114,13 @@ class Backend:
         """Engine files built from ``spec``'s torch module (:attr:`takes_torch_module`)."""
         raise NotImplementedError
 
+    def refit_runner(self, engine_dir: Path, files: list[str], value: Callable[[str], object],
+                     shapes: ShapeRanges) -> Runner | None:
+        """A runner of the engine in ``engine_dir`` with every weight set to ``value(onnx_name)``,
+        made in memory (no copy of the engine on disk), or None where this backend or engine cannot
+        (then :meth:`patch_weights` writes a copy). Only called where :attr:`patches_weights`."""
+        return None
+
     def patch_weights(self, engine_dir: Path, files: list[str], value: Callable[[str], object],
                       out_dir: Path) -> list[str] | None:
         """A copy of an engine in ``out_dir`` with every weight set to ``value(onnx_name)``: its

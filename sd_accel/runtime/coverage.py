@@ -65,6 +65,8 @@ def covered(handles: Iterable) -> list[str]:
                 else f"{_span(p.width)} x {_span(p.height)} px") + f", batch {_span(p.batch)}"
         if p.tokens[2] > p.tokens[0]:
             text += f", {_span(p.tokens)} tokens"
+        if p.text is not None:  # SD3 / FLUX.1: T5's max_sequence_length
+            text += f", T5 length {_span(p.text)}"
         if text not in seen:
             seen.append(text)
     return seen
@@ -89,6 +91,20 @@ def _request(feed: dict[str, torch.Tensor], handles: list) -> tuple[str, tuple[i
     return "", None
 
 
+def _outside(feed: dict[str, torch.Tensor], handles: list) -> str:
+    """The first input dimension of ``feed`` outside every engine's range, said with the nearest
+    engine's range (``encoder_hidden_states dim 1 is 512, the engine takes 32-128``): the reason
+    where pixels and batch fit (a T5 length, a token count)."""
+    for name, value in feed.items():
+        for dim, size in enumerate(value.shape):
+            ranges = [(h.shapes[name][0][dim], h.shapes[name][2][dim]) for h in handles
+                      if name in h.shapes and len(h.shapes[name][0]) == value.dim()]
+            if ranges and not any(lo <= size <= hi for lo, hi in ranges):
+                lo, hi = min(ranges, key=lambda r: min(abs(size - r[0]), abs(size - r[1])))
+                return f"{name} dim {dim} is {size}, the engine takes {_span((lo, lo, hi))}"
+    return ""
+
+
 def uncovered(feed: dict[str, torch.Tensor], handles: list) -> str:
     """The fallback's reason for a call none of ``handles`` covers: ``no engine covers 768x512 px,
     batch 2 (x=(4, 4, 64, 96)); the engines cover 512x512 px, batch 1; build ...``."""
@@ -98,6 +114,12 @@ def uncovered(feed: dict[str, torch.Tensor], handles: list) -> str:
     sizes = covered(handles)
     if sizes:
         text += "; the engines cover " + "; ".join(sizes)
+    outside = _outside(feed, handles)
+    if outside:
+        text += f"; out of their range: {outside}"
+        if size is None and any((got := _scale(h)) is not None and got[0].text is not None for h in handles):
+            text += ("; build one whose T5 length reaches the pipeline's max_sequence_length (sd-accel build "
+                     "--text N; Profile(text=N)), or call the pipeline with a max_sequence_length the engines take")
     if size is not None:
         text += "; " + BUILD_HINT.format(h=size[0], w=size[1], b=size[2])
     return text

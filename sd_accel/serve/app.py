@@ -6,6 +6,8 @@ Routes (every one behind the bearer token when one is set, the docs and unknown 
   ``max_request_bytes`` (before it is parsed), 422 naming the field of a bad request (before it
   reaches any queue), 503 with ``Retry-After`` when the replicas are full or one died
   under it, 504 when it ran past ``request_timeout_s``;
+- ``POST /sdapi/v1/img2img``: the same, with one init image and its ``denoising_strength``
+  (``img2img.py``: no inpainting);
 - ``GET /sdapi/v1/samplers``: the sampler names, as the WebUI lists them;
 - ``GET /controlnet/model_list``, ``/controlnet/module_list``: sd-webui-controlnet's, for the
   ControlNets of ``controlnet_dir`` and the preprocessors built in (none, canny);
@@ -30,6 +32,7 @@ from fastapi.responses import JSONResponse
 
 from sd_accel.core import InvalidValue, SdAccelError
 from sd_accel.serve.config import ServeConfig
+from sd_accel.serve.img2img import parse_img2img
 from sd_accel.serve.txt2img import MAX_DEPTH, parse_txt2img, txt2img_answer
 
 
@@ -165,6 +168,13 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
 
     @app.post("/sdapi/v1/txt2img")
     async def txt2img(request: Request):
+        return await answer(request, parse_txt2img, "txt2img")
+
+    @app.post("/sdapi/v1/img2img")
+    async def img2img(request: Request):
+        return await answer(request, parse_img2img, "img2img")
+
+    async def answer(request: Request, parse, kind: str):
         # Refused before it is read whole, let alone parsed: a 10 MB prompt costs nothing.
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -178,10 +188,10 @@ def build_app(config: ServeConfig, backend: Backend) -> FastAPI:
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
-            return error(422, "the body must be a JSON object of txt2img fields, nested at most "
+            return error(422, f"the body must be a JSON object of {kind} fields, nested at most "
                               f"{MAX_DEPTH} levels (Content-Type: application/json)")
         try:
-            req = parse_txt2img(body)
+            req = parse(body)
         except InvalidValue as exc:
             return error(422, str(exc))  # before any queue: a bad request costs no replica time
         if life.draining:

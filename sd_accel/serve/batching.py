@@ -46,6 +46,8 @@ class BatchKey:
     cfg: float
     sampler: str | None  # None: the replica's default scheduler
     control: tuple = ()  # the ControlNet units' keys (ControlUnit.key), in order; () without ControlNet
+    strength: float | None = None  # img2img: the denoising strength; None: txt2img
+    init: str = ""  # img2img: the init image's digest (one image per call)
 
 
 @dataclass(eq=False)
@@ -306,7 +308,7 @@ def engine_batch_limit(pipe, key: BatchKey) -> int | None:
     limits = []
     scale = getattr(pipe, "vae_scale_factor", 8) or 8
     latent = (key.height // scale, key.width // scale)
-    for slot in ("text_encoder", "text_encoder_2", "controlnet", "unet", "vae"):
+    for slot in ("text_encoder", "text_encoder_2", "text_encoder_3", "controlnet", "unet", "transformer", "vae"):
         module = getattr(pipe, slot, None)
         engines_by_component = getattr(module, "engines", None)
         if not isinstance(engines_by_component, dict):
@@ -314,7 +316,9 @@ def engine_batch_limit(pipe, key: BatchKey) -> int | None:
         for component, engines in engines_by_component.items():
             if component == "vae_encoder":
                 continue  # txt2img never encodes images
-            per_image = 2 if component in ("unet", "unet_control", "controlnet") and key.cfg > 1 else 1
+            doubled = component in ("unet", "unet_control", "controlnet") or (component == "transformer"
+                                                                             and runs_cfg(pipe))
+            per_image = 2 if doubled and key.cfg > 1 else 1
             best = 0
             for handle in getattr(engines, "handles", []):
                 if getattr(handle, "broken", None):
@@ -328,6 +332,13 @@ def engine_batch_limit(pipe, key: BatchKey) -> int | None:
             if best:
                 limits.append(best)
     return min(limits) if limits else None
+
+
+def runs_cfg(pipe) -> bool:
+    """Whether ``pipe`` runs classifier-free guidance (cond and uncond in one denoiser batch) when
+    its guidance scale is above 1: every family but FLUX.1, whose guidance scale is an input of the
+    transformer (FLUX.1-dev's guidance embedding; schnell ignores it)."""
+    return not type(pipe).__name__.startswith("Flux")
 
 
 def _covers_latent(shapes: dict, latent: tuple[int, int]) -> bool:
@@ -358,14 +369,18 @@ def run_pipeline(pipe, key: BatchKey, items: Sequence[WorkItem], should_stop: Ca
 
     # CPU generators, one per image, as sd_accel.generate uses: the seed means the same image
     # alone or in a batch, on any device.
+    from sd_accel.prompts import takes_argument
+
     generators = [torch.Generator("cpu").manual_seed(item.seed) for item in items]
+    negative = {"negative_prompt": [item.negative_prompt for item in items]} if runs_cfg(pipe) else {}
+    # img2img pipelines of SD take the size from the init image (resized to it beforehand)
+    size = {"width": key.width, "height": key.height} if takes_argument(pipe, "width") else {}
     return pipe(
         prompt=[item.prompt for item in items],
-        negative_prompt=[item.negative_prompt for item in items],
+        **negative,
         num_inference_steps=key.steps,
         guidance_scale=key.cfg,
-        width=key.width,
-        height=key.height,
+        **size,
         num_images_per_prompt=1,
         generator=generators,
         callback_on_step_end=on_step_end,

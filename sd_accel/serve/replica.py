@@ -19,7 +19,7 @@ from typing import Any
 
 from sd_accel.core import InvalidValue
 from sd_accel.generate import GenerationParams, parameters_text
-from sd_accel.serve.batching import Batcher, BatchKey, Job, engine_batch_limit, run_pipeline
+from sd_accel.serve.batching import Batcher, BatchKey, Job, engine_batch_limit, run_pipeline, runs_cfg
 from sd_accel.serve.config import ServeConfig
 
 log = logging.getLogger("sd_accel")
@@ -147,10 +147,15 @@ class ModelServer:
         self._control_pipes: dict[tuple[str, ...], Any] = {}
         self._control_lock = threading.Lock()  # two first requests for one set of nets load it once
         self._control_units: collections.OrderedDict[tuple, list] = collections.OrderedDict()
+        self._inits: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # img2img: digest -> image
+        self._img2img = None  # the img2img pipeline over this replica's model, made on first use
         self._lock = threading.Lock()
         self.unet_batches: collections.Counter[int] = collections.Counter()
         self.requests = 0
-        pipe.unet.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
+        # the UNet, or the transformer of SD3 / FLUX.1: its batches are what the engines' ranges bound
+        self.denoiser = getattr(pipe, "unet", None) or pipe.transformer
+        self.flow = not hasattr(pipe, "unet")  # SD3 / FLUX.1 run their own flow-matching scheduler
+        self.denoiser.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
         wait_ms = self.config.batch_wait_ms
         if wait_ms is None:
             wait_ms, why = default_batch_wait_ms(pipe)
@@ -186,13 +191,15 @@ class ModelServer:
     # ------------------------------------------------------------------ requests
 
     def default_size(self) -> tuple[int, int]:
-        unet = self.pipe.unet.config
-        side = unet.sample_size * getattr(self.pipe, "vae_scale_factor", 8)
+        if self.flow:  # SD3's and FLUX.1's pipelines say theirs (1024 px for the real models)
+            side = int(getattr(self.pipe, "default_sample_size", 128)) * getattr(self.pipe, "vae_scale_factor", 8)
+        else:
+            side = self.pipe.unet.config.sample_size * getattr(self.pipe, "vae_scale_factor", 8)
         return side, side
 
-    def job_for(self, params: GenerationParams, control: tuple = ()) -> Job:
+    def job_for(self, params: GenerationParams, control: tuple = (), init: tuple[str, float] | None = None) -> Job:
         """The job for one validated request; a seed of -1 is drawn here. ``control``: its
-        ControlNet units' keys (:meth:`control_for`)."""
+        ControlNet units' keys (:meth:`control_for`); ``init``: img2img's (image digest, strength)."""
         width, height = params.width, params.height
         if width is None or height is None:
             dw, dh = self.default_size()
@@ -202,9 +209,17 @@ class ModelServer:
             from sd_accel.samplers import resolve
 
             sampler = resolve(sampler).name  # one spelling, so "euler a" batches with "Euler a"
+        if self.flow and sampler is not None:
+            if sampler != "Euler":
+                raise InvalidValue(f"sampler_name {params.sampler!r}: {type(self.pipe).__name__} runs its own "
+                                   "flow-matching Euler scheduler; leave sampler_name out (or send \"Euler\")")
+            sampler = None  # the model's own: the flow-matching Euler
+        if self.flow and params.negative_prompt and not runs_cfg(self.pipe):
+            raise InvalidValue(f"negative_prompt: {type(self.pipe).__name__} runs no classifier-free guidance "
+                               "(cfg_scale is FLUX.1's guidance input), so it takes no negative prompt; leave it out")
         seed = params.resolved_seed()
         key = BatchKey(width=width, height=height, steps=params.steps, cfg=float(params.cfg), sampler=sampler,
-                       control=control)
+                       control=control, strength=init[1] if init else None, init=init[0] if init else "")
         prompt, _ = clip_prompt(self.tokenizer, params.prompt)
         negative, _ = clip_prompt(self.tokenizer, params.negative_prompt)
         return Job(key, prompt, negative, [seed + i for i in range(params.batch)])
@@ -231,6 +246,9 @@ class ModelServer:
         each named ControlNet; the units are kept for the call that runs them."""
         if not units:
             return ()
+        if self.flow:
+            raise InvalidValue(f"ControlNet units: sd-accel serve runs them on SD 1.x / 2.x / SDXL models, not on "
+                               f"{type(self.pipe).__name__} yet; send the request without alwayson_scripts.controlnet")
         for unit in units:
             if unit.model not in self.controlnets:
                 if not self.controlnets:
@@ -262,6 +280,34 @@ class ModelServer:
                 log.info("sd-accel serve: ControlNet pipeline ready for %s", ", ".join(models))
             return self._control_pipes[models]
 
+    def init_for(self, image: bytes | None, strength: float | None) -> tuple[str, float] | None:
+        """img2img: the batch key part of an init image (its digest, and the strength), after
+        keeping the image for the call that runs it; None for txt2img."""
+        if image is None:
+            return None
+        import hashlib
+
+        digest = hashlib.sha256(image).hexdigest()[:16]
+        with self._lock:
+            self._inits[digest] = image
+            self._inits.move_to_end(digest)
+            while len(self._inits) > 4 * self.config.max_ongoing_requests:  # images: bounded
+                self._inits.popitem(last=False)
+        return digest, float(strength if strength is not None else 0.75)
+
+    def img2img_pipe(self):
+        """The img2img pipeline over this replica's model (``AutoPipelineForImage2Image.from_pipe``:
+        the same modules, engines included; made once)."""
+        with self._control_lock:
+            if self._img2img is None:
+                from diffusers import AutoPipelineForImage2Image
+
+                pipe = AutoPipelineForImage2Image.from_pipe(self.pipe)
+                pipe.set_progress_bar_config(disable=True)
+                self._img2img = pipe
+                log.info("sd-accel serve: img2img pipeline ready (%s)", type(pipe).__name__)
+            return self._img2img
+
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """``request``: ``GenerationParams`` fields, and ``controlnet``: ControlUnit dicts (from
         ``alwayson_scripts``). Returns PNG bytes (with infotexts), seeds, the size and sampler
@@ -270,11 +316,18 @@ class ModelServer:
 
         request = dict(request)
         units = [ControlUnit(**u) for u in request.pop("controlnet", None) or []]
+        image, strength = request.pop("init_image", None), request.pop("strength", None)
         params = GenerationParams(**request)  # the same validation the HTTP route ran
+        if units and image is not None:
+            raise InvalidValue("ControlNet units with an init image (img2img) are not served yet; send one or the "
+                               "other")
         control = self.control_for(units)
         if units:  # loading a ControlNet takes seconds: not on the event loop
             await asyncio.to_thread(self.control_pipe, tuple(u.model for u in units))
-        job = self.job_for(params, control)
+        init = self.init_for(image, strength)
+        if init:
+            await asyncio.to_thread(self.img2img_pipe)
+        job = self.job_for(params, control, init)
         warnings = self.prompt_warnings(params)
         with self._lock:
             self.requests += 1
@@ -287,9 +340,10 @@ class ModelServer:
         control_text = "".join(
             f", ControlNet {i}: \"Module: {u.module}, Model: {u.model}, Weight: {u.weight:g}, "
             f"Guidance Start: {u.guidance_start:g}, Guidance End: {u.guidance_end:g}\"" for i, u in enumerate(units))
+        strength_text = f", Denoising strength: {key.strength:g}" if key.strength is not None else ""
         infotexts = [
             parameters_text(params.prompt, params.negative_prompt, key.steps, sampler_label, key.cfg, seed,
-                            key.width, key.height, self.model) + control_text
+                            key.width, key.height, self.model) + control_text + strength_text
             for seed in job.seeds
         ]
         pngs = await asyncio.to_thread(
@@ -312,6 +366,8 @@ class ModelServer:
     # ------------------------------------------------------------------ the worker
 
     def _pipe_for(self, key: BatchKey):
+        if key.strength is not None:
+            return self.img2img_pipe()
         if not key.control:
             return self.pipe
         from sd_accel.serve.controlnet_units import ControlUnit
@@ -347,11 +403,20 @@ class ModelServer:
             if units is None:  # evicted while it waited: only under far more distinct units than requests held
                 raise InvalidValue("this request's ControlNet units were dropped from the replica; send it again")
             extra = pipeline_arguments(units)
+        if key.strength is not None:
+            from PIL import Image
+
+            with self._lock:
+                data = self._inits.get(key.init)
+            if data is None:  # evicted while it waited: only under far more distinct images than requests held
+                raise InvalidValue("this request's init image was dropped from the replica; send it again")
+            image = Image.open(io.BytesIO(data)).convert("RGB").resize((key.width, key.height), Image.LANCZOS)
+            extra = {"image": [image] * len(items), "strength": key.strength}
         return run_pipeline(self._pipe_for(key), key, items, should_stop, scheduler=self._scheduler(key.sampler),
                             extra=extra)
 
     def _count_unet_batch(self, _module, args, kwargs) -> None:
-        sample = args[0] if args else kwargs.get("sample")
+        sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
         if sample is not None:
             with self._lock:
                 self.unet_batches[int(sample.shape[0])] += 1

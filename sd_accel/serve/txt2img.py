@@ -126,12 +126,18 @@ class Txt2ImgRequest:
     body: dict[str, Any]
     ignored: tuple[str, ...] = field(default=())
     control: tuple[ControlUnit, ...] = field(default=())  # alwayson_scripts.controlnet's enabled units
+    init_image: bytes | None = None  # img2img (serve/img2img.py): the encoded init image
+    strength: float | None = None  # img2img: denoising_strength
 
     def backend_request(self) -> dict[str, Any]:
-        """What the replica is sent: GenerationParams fields, and ``controlnet`` units when there are some."""
+        """What the replica is sent: GenerationParams fields, ``controlnet`` units when there are
+        some, and img2img's ``init_image`` and ``strength``."""
         request = self.params.to_dict()
         if self.control:
             request["controlnet"] = [unit.to_dict() for unit in self.control]
+        if self.init_image is not None:
+            request["init_image"] = self.init_image
+            request["strength"] = self.strength
         return request
 
 

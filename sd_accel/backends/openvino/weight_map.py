@@ -12,7 +12,9 @@ At build time :func:`write_map` records, for each ONNX initializer read by one M
 transposed, and names most of them anew, so they are found by value: a weight's bytes found in
 exactly one constant), and for every other initializer a digest of its value. :func:`patch` then
 writes new values of the mapped ones, and refuses (None: the caller builds in full) when any other
-initializer's value changed, or a mapped one cannot be placed.
+initializer's value changed, or a mapped one cannot be placed. :func:`patched_model` replaces the
+changed ones in the engine's graph in memory instead (engines that kept ``engine.xml``): compiled,
+it leaves no copy of ``engine.bin`` on disk.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import os
 import shutil
 import warnings
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from sd_accel.pages import page_out
 
 log = logging.getLogger("sd_accel")
 
@@ -117,6 +121,56 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(ints), b.view(ints))
 
 
+class _CannotPatch(Exception):
+    """A weight the map places has no value, or another shape: the engine is built in full."""
+
+
+def _rest_unchanged(engine_dir: Path, table: dict, value: Callable[[str], np.ndarray | None]) -> bool:
+    """Whether every weight outside the map (biases and norms, folded into the compiled engine)
+    still has the engine's value."""
+    for name, digest in table["digests"].items():
+        new = value(name)
+        if new is None or _digest(new) != digest:
+            log.info("%s: %s changed and is folded into the compiled engine; refitting in full", engine_dir.name, name)
+            return False
+    return True
+
+
+def _changed(base_path: Path, placed: dict[str, dict], value: Callable[[str], np.ndarray | None],
+             counts: dict[str, int]) -> Iterator[tuple[dict, torch.Tensor]]:
+    """``(spot, stored)`` for each mapped weight whose stored bytes (``value(name)`` converted to
+    the stored type and layout) differ from the engine's in ``base_path``. ``stored`` is a scratch
+    buffer, valid until the next item: write or copy it right away. ``counts`` gets ``written``,
+    ``same`` and ``bytes_written``. Raises :class:`_CannotPatch`."""
+    largest = max((math.prod(s["shape"]) for s in placed.values()), default=0)
+    scratch = {element: torch.empty(largest, dtype=dtype) for element, dtype in _TORCH_STORAGE.items()
+               if any(s["element"] == element for s in placed.values())}
+    counts.update(written=0, same=0, bytes_written=0)
+    with open(base_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob, \
+            warnings.catch_warnings():
+        # the engine's bytes, read in place: torch warns that the mapping is read-only (it is only read)
+        warnings.filterwarnings("ignore", "The given (NumPy array|buffer) is not writable")
+        for name, spot in placed.items():
+            new = value(name)
+            if new is None or list(new.shape) != spot["shape"]:
+                raise _CannotPatch(name)
+            source = torch.from_numpy(new)
+            if spot["layout"] == "T":  # the ONNX MatMul layout of a Linear's weight is a view of torch's own
+                source = source.t()
+            count = source.numel()
+            stored = scratch[spot["element"]][:count].view(source.shape)
+            stored.copy_(source)  # converted to the stored type, in the stored layout
+            engine = torch.frombuffer(blob, dtype=stored.dtype, count=count, offset=spot["offset"])
+            unchanged = _same_bits(stored.reshape(-1), engine)
+            page_out(engine.data_ptr(), spot["size"])  # read once: not left in the RSS of a host that refits
+            if unchanged:
+                counts["same"] += 1
+                continue
+            counts["written"] += 1
+            counts["bytes_written"] += spot["size"]
+            yield spot, stored
+
+
 def patch(engine_dir: Path, files: list[str], value: Callable[[str], np.ndarray | None], out_dir: Path,
           weights_file: str, counts: dict[str, int] | None = None) -> list[str] | None:
     """A copy of the engine in ``engine_dir`` with the weights ``value(onnx_name)`` (float32, in the
@@ -135,40 +189,18 @@ def patch(engine_dir: Path, files: list[str], value: Callable[[str], np.ndarray 
     if MAP_FILE not in files or not map_path.is_file():
         return None
     table = json.loads(map_path.read_text())
-    for name, digest in table["digests"].items():
-        new = value(name)
-        if new is None or _digest(new) != digest:
-            log.info("%s: %s changed and is folded into the compiled engine; refitting in full", engine_dir.name, name)
-            return None
-    placed = table["placed"]
+    if not _rest_unchanged(engine_dir, table, value):
+        return None
     out_dir.mkdir(parents=True, exist_ok=True)
     base_path, out_path = engine_dir / weights_file, out_dir / weights_file
     shutil.copyfile(base_path, out_path)  # the kernel copies (copy_file_range / sendfile)
-    largest = max((math.prod(s["shape"]) for s in placed.values()), default=0)
-    scratch = {element: torch.empty(largest, dtype=dtype) for element, dtype in _TORCH_STORAGE.items()
-               if any(s["element"] == element for s in placed.values())}
-    written = same = size = 0
-    with open(base_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob, \
-            open(out_path, "r+b") as out, warnings.catch_warnings():
-        # the engine's bytes, read in place: torch warns that the mapping is read-only (it is only read)
-        warnings.filterwarnings("ignore", "The given (NumPy array|buffer) is not writable")
-        for name, spot in placed.items():
-            new = value(name)
-            if new is None or list(new.shape) != spot["shape"]:
-                return None
-            source = torch.from_numpy(new)
-            if spot["layout"] == "T":  # the ONNX MatMul layout of a Linear's weight is a view of torch's own
-                source = source.t()
-            count = source.numel()
-            stored = scratch[spot["element"]][:count].view(source.shape)
-            stored.copy_(source)  # converted to the stored type, in the stored layout
-            engine = torch.frombuffer(blob, dtype=stored.dtype, count=count, offset=spot["offset"])
-            if _same_bits(stored.reshape(-1), engine):
-                same += 1
-                continue
-            os.pwrite(out.fileno(), stored.numpy(), spot["offset"])
-            written += 1
-            size += spot["size"]
+    tally: dict[str, int] = {}
+    try:
+        with open(out_path, "r+b") as out:
+            for spot, stored in _changed(base_path, table["placed"], value, tally):
+                os.pwrite(out.fileno(), stored.numpy(), spot["offset"])
+    except _CannotPatch:
+        return None
     for name in files:
         if name == weights_file:
             continue
@@ -176,8 +208,58 @@ def patch(engine_dir: Path, files: list[str], value: Callable[[str], np.ndarray 
             os.link(engine_dir / name, out_dir / name)  # the compiled graph is read, never written
         except OSError:
             shutil.copyfile(engine_dir / name, out_dir / name)
-    log.info("%s: %d of %d weights differ from the engine's and were written (%.1f MB)", engine_dir.name, written,
-             len(placed), size / 1e6)
+    log.info("%s: %d of %d weights differ from the engine's and were written (%.1f MB)", engine_dir.name,
+             tally["written"], len(table["placed"]), tally["bytes_written"] / 1e6)
     if counts is not None:
-        counts.update(written=written, same=same, bytes_written=size)
+        counts.update(tally)
     return list(files)
+
+
+def _const_names(xml_path: Path) -> dict[int, list[str]]:
+    """Offset in the IR's .bin -> the names of the Const layers stored there."""
+    out: dict[int, list[str]] = {}
+    for layer in ET.parse(xml_path).getroot().iter("layer"):
+        data = layer.find("data")
+        if layer.get("type") == "Const" and data is not None and data.get("offset") is not None:
+            out.setdefault(int(data.get("offset")), []).append(layer.get("name", ""))
+    return out
+
+
+def patched_model(engine_dir: Path, files: list[str], value: Callable[[str], np.ndarray | None], graph_file: str,
+                  weights_file: str, counts: dict[str, int] | None = None):
+    """The engine's graph (``graph_file``, an IR, read with its weights memory-mapped from
+    ``weights_file``) with the weights that differ from ``value(onnx_name)`` replaced by new
+    constants in memory: an ``openvino.Model`` to compile, or None where it cannot be (no map or no
+    graph kept, a weight outside the map changed, a constant the map places is not one layer of the
+    graph). Nothing is written: a refit compiled from it leaves no copy of the engine on disk."""
+    import openvino as ov
+
+    engine_dir = Path(engine_dir)
+    map_path, xml_path = engine_dir / MAP_FILE, engine_dir / graph_file
+    if not {MAP_FILE, graph_file} <= set(files) or not map_path.is_file() or not xml_path.is_file():
+        return None
+    table = json.loads(map_path.read_text())
+    if not _rest_unchanged(engine_dir, table, value):
+        return None
+    names = _const_names(xml_path)
+    model = ov.Core().read_model(str(xml_path), str(engine_dir / weights_file))
+    consts = {op.get_friendly_name(): op for op in model.get_ops() if op.get_type_name() == "Constant"}
+    tally: dict[str, int] = {}
+    try:
+        for spot, stored in _changed(engine_dir / weights_file, table["placed"], value, tally):
+            at = names.get(spot["offset"], [])
+            op = consts.get(at[0]) if len(at) == 1 else None
+            if op is None or list(op.get_output_shape(0)) != list(stored.shape):
+                log.info("%s: a weight at offset %d is not one constant of its graph; refitting by a copy",
+                         engine_dir.name, spot["offset"])
+                return None
+            new = ov.op.Constant(stored.numpy(), shared_memory=False)  # a copy: the scratch buffer is reused
+            new.set_friendly_name(at[0])
+            op.output(0).replace(new.output(0))
+    except _CannotPatch:
+        return None
+    log.info("%s: %d of %d weights differ from the engine's and were replaced in memory (%.1f MB)", engine_dir.name,
+             tally["written"], len(table["placed"]), tally["bytes_written"] / 1e6)
+    if counts is not None:
+        counts.update(tally)
+    return model

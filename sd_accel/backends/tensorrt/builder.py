@@ -11,6 +11,8 @@ binding modules of TensorRT 10.x and 11.x.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,16 @@ from sd_accel.backends.tensorrt.versions import TrtFeatures, features, onnx_prec
 from sd_accel.core import CalibrationSet, EngineError, Progress, ShapeRanges
 from sd_accel.onnx.fp16 import fp16_onnx
 
+log = logging.getLogger("sd_accel")
+
 ENGINE_FILE = "engine.plan"
 DEFAULT_WORKSPACE = 4 * 2**30
 BUILDER_OPTIMIZATION_LEVEL = 3
+# Weight streaming: "auto" (the default) streams an engine whose weights take more than this share
+# of the card's memory (the activations and the rest of the pipeline need the remainder); "1"
+# streams every engine, "0" none.
+STREAMING_ENV = "SD_ACCEL_TRT_WEIGHT_STREAMING"
+STREAM_ABOVE = 0.5
 
 
 def trt_status() -> tuple[bool, str, str]:
@@ -77,11 +86,54 @@ def profile_for(shapes: ShapeRanges):
     return profile
 
 
-def config_kwargs(shapes: ShapeRanges, precision: str, feats: TrtFeatures, timing_cache: Path | None) -> dict:
+def wants_streaming(weights_bytes: int, card_bytes: int, feats: TrtFeatures) -> bool:
+    """Whether to build with weight streaming (:data:`STREAMING_ENV`; "auto": the engine's weights
+    are more than :data:`STREAM_ABOVE` of the card's memory). TensorRT before 10.1 cannot.
+
+    >>> from sd_accel.backends.tensorrt.versions import features
+    >>> wants_streaming(22 * 2**30, 24 * 2**30, features("10.16.1")), wants_streaming(2 * 2**30, 24 * 2**30, features("11.4"))
+    (True, False)
+    """
+    setting = os.environ.get(STREAMING_ENV, "auto").strip().lower()
+    if setting in ("0", "off", "no", "false"):
+        return False
+    asked = setting in ("1", "on", "yes", "true")
+    wanted = asked or weights_bytes > STREAM_ABOVE * card_bytes
+    if wanted and not feats.weight_streaming:
+        log.warning("this engine's weights (%.1f GB) %s, but TensorRT %d.0 cannot stream weights (10.1 and later "
+                    "can): it is built to hold them on the card", weights_bytes / 1e9,
+                    f"were to be streamed ({STREAMING_ENV})" if asked else "take most of the card", feats.major)
+        return False
+    return wanted
+
+
+def engine_weight_bytes(onnx_path: Path, precision: str) -> int:
+    """Bytes the engine's weights take on the card: the ONNX initializers (fp32 exports) at the
+    engine's precision."""
+    import onnx
+
+    from sd_accel.onnx.optimize import initializer_bytes
+
+    total = initializer_bytes(onnx.load(str(onnx_path), load_external_data=False))
+    return total // 2 if precision in ("fp16", "bf16") else total
+
+
+def card_bytes() -> int:
+    """The current CUDA device's memory."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def config_kwargs(shapes: ShapeRanges, precision: str, feats: TrtFeatures, timing_cache: Path | None,
+                  streaming: bool = False) -> dict:
     """``CreateConfig`` arguments that need no TensorRT: profile, precision flag, timing cache.
 
     ``tactic_sources=[]`` (no cuBLAS/cuDNN tactics) follows NVIDIA's demoDiffusion; 10.x builds fp16
     with the FP16 flag, 11.x has no flag (the ONNX is fp16, see :func:`fp16_onnx`).
+
+    ``streaming``: the weights stay in host memory and stream to the card as layers run
+    (:func:`wants_streaming`); the network is strongly typed then (no FP16 flag: an fp16 ONNX).
 
     ``refittable=True`` (``BuilderFlag.REFIT``): LoRAs and other weight changes are refitted into
     the engine (``refit.py``) instead of building it again. REFIT allows arbitrary new weights;
@@ -96,8 +148,10 @@ def config_kwargs(shapes: ShapeRanges, precision: str, feats: TrtFeatures, timin
         "tactic_sources": [],
         "refittable": True,
     }
-    if feats.precision_flags and precision == "fp16":  # 10.x: BuilderFlag.FP16 (api_names.ONLY_10_FP16 in tests/)
+    if feats.precision_flags and precision == "fp16" and not streaming:  # 10.x: BuilderFlag.FP16 (ONLY_10_FP16)
         kwargs["fp16"] = True
+    if streaming:  # BuilderFlag.WEIGHT_STREAMING (api_names.STREAMING in tests/): strongly typed, fp16 ONNX
+        kwargs["weight_streaming"] = True
     if timing_cache is not None:
         kwargs["load_timing_cache"] = str(timing_cache)
     return kwargs
@@ -108,12 +162,12 @@ def build_time_config_kwargs(trt, workspace_bytes: int, monitor) -> dict:
     return {"memory_pool_limits": {trt.MemoryPoolType.WORKSPACE: int(workspace_bytes)}, "progress_monitor": monitor}
 
 
-def parse_call(trt, source: Path, feats: TrtFeatures) -> tuple[tuple, dict]:
+def parse_call(trt, source: Path, feats: TrtFeatures, streaming: bool = False) -> tuple[tuple, dict]:
     """``network_from_onnx_path`` arguments: native InstanceNormalization (no plugin), strongly
-    typed on 11.x (api_names.ONLY_11)."""
+    typed on 11.x (api_names.ONLY_11) and for weight streaming (api_names.STREAMING)."""
     return (str(source),), {
         "flags": [trt.OnnxParserFlag.NATIVE_INSTANCENORM],
-        "strongly_typed": feats.strongly_typed_only,
+        "strongly_typed": feats.strongly_typed_only or streaming,
     }
 
 
@@ -227,13 +281,14 @@ class TensorRTBackend(Backend):
         if timing is not None:
             timing.parent.mkdir(parents=True, exist_ok=True)
         feats = features(version)
-        kwargs = config_kwargs(shapes, precision, feats, timing)
+        streaming = wants_streaming(engine_weight_bytes(Path(onnx_path), precision), card_bytes(), feats)
+        kwargs = config_kwargs(shapes, precision, feats, timing, streaming)
         monitor = progress_monitor(trt, progress)
         kwargs.update(build_time_config_kwargs(trt, self.workspace_bytes, monitor))
-        source = fp16_onnx(onnx_path) if onnx_precision(precision, feats) == "fp16" else Path(onnx_path)
-        progress(0.0, "TensorRT: parsing ONNX")
+        source = fp16_onnx(onnx_path) if onnx_precision(precision, feats, streaming) == "fp16" else Path(onnx_path)
+        progress(0.0, "TensorRT: parsing ONNX" + (" (weights streamed from host memory)" if streaming else ""))
         try:
-            args, kw = parse_call(trt, source, feats)
+            args, kw = parse_call(trt, source, feats, streaming)
             network = network_from_onnx_path(*args, **kw)
             args, kw = engine_call(network, CreateConfig(**kwargs), timing)
             engine = engine_from_network(*args, **kw)
@@ -250,8 +305,8 @@ class TensorRTBackend(Backend):
             raise EngineError("TensorRT returned no engine (out of GPU memory, or the build was cancelled)")
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         save_engine(engine, str(Path(out_dir) / ENGINE_FILE))
-        meta = {"refittable": kwargs["refittable"], "precision": precision,
-                "onnx_precision": onnx_precision(precision, feats), **graph_facts(source)}
+        meta = {"refittable": kwargs["refittable"], "precision": precision, "weight_streaming": streaming,
+                "onnx_precision": onnx_precision(precision, feats, streaming), **graph_facts(source)}
         (Path(out_dir) / META_FILE).write_text(json.dumps(meta))
         progress(1.0, "TensorRT: engine saved")
         return [ENGINE_FILE, META_FILE]
@@ -277,4 +332,5 @@ class TensorRTBackend(Backend):
 
         if files and (ENGINE_FILE not in files or set(files) - {ENGINE_FILE, META_FILE}):
             raise EngineError(f"a TensorRT engine folder holds {ENGINE_FILE} (and {META_FILE}), not {files}")
-        return TensorRTRunner(Path(engine_dir) / ENGINE_FILE, shapes)
+        meta = engine_meta(Path(engine_dir), files)
+        return TensorRTRunner(Path(engine_dir) / ENGINE_FILE, shapes, streaming=bool(meta.get("weight_streaming")))

@@ -8,12 +8,15 @@ callers copy what they keep (``runtime.modules`` does).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from pathlib import Path
 
 import torch
 
 from sd_accel.core import EngineError, ShapeRanges, covers
+
+log = logging.getLogger("sd_accel")
 
 # TensorRT keeps one logger per process: a second, different one draws a warning on every runtime.
 # A logger belongs to the module that made it, so the map is keyed by the module.
@@ -47,7 +50,7 @@ def torch_dtype(trt, dtype) -> torch.dtype:
 
 
 class TensorRTRunner:
-    def __init__(self, engine_path: Path, shapes: ShapeRanges) -> None:
+    def __init__(self, engine_path: Path, shapes: ShapeRanges, streaming: bool = False) -> None:
         import tensorrt as trt
 
         self.shapes = shapes
@@ -60,6 +63,8 @@ class TensorRTRunner:
                 f"TensorRT {trt.__version__} could not deserialize {engine_path}: it was built by another "
                 "TensorRT version or for another GPU. Delete it and build again."
             )
+        if streaming:
+            self._set_streaming_budget()
         self.context = self.engine.create_execution_context()
         if self.context is None:
             raise EngineError(f"TensorRT could not create an execution context for {engine_path} (out of GPU memory?)")
@@ -71,6 +76,15 @@ class TensorRTRunner:
         if set(self.inputs) != set(shapes):
             raise EngineError(f"engine {engine_path} has inputs {self.inputs}, the cache record says {sorted(shapes)}")
         self._buffers: dict[str, torch.Tensor] = {}
+
+    def _set_streaming_budget(self) -> None:
+        """A weight-streamed engine (built with ``BuilderFlag.WEIGHT_STREAMING``): TensorRT's own
+        budget for the weights kept on the card, from the memory free now; the rest stream from
+        host memory as the layers run (slower than holding them, faster than not fitting)."""
+        budget = int(self.engine.get_weight_streaming_automatic_budget())
+        self.engine.weight_streaming_budget_v2 = budget
+        total = int(self.engine.streamable_weights_size)
+        log.info("TensorRT weight streaming: %.1f of %.1f GB of weights kept on the card", budget / 1e9, total / 1e9)
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream

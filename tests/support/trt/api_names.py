@@ -146,22 +146,36 @@ ONLY_10_FP16: frozenset[str] = frozenset({"BuilderFlag.FP16"})
 # 11.x: strongly typed networks (polygraphy's network_from_onnx_path(strongly_typed=True));
 # precision comes from the ONNX dtypes (an fp16 ONNX for fp16 engines).
 ONLY_11: frozenset[str] = frozenset({"NetworkDefinitionCreationFlag.STRONGLY_TYPED"})
+# 10.1 and later, engines whose weights take most of the card (builder.wants_streaming): built with
+# CreateConfig(weight_streaming=True) on a strongly typed network, loaded with TensorRT's automatic
+# budget (10.0 has only the v1 budget: not used, such engines are built without streaming there).
+STREAMING: frozenset[str] = frozenset({
+    "BuilderFlag.WEIGHT_STREAMING",
+    "NetworkDefinitionCreationFlag.STRONGLY_TYPED",
+    "ICudaEngine.get_weight_streaming_automatic_budget",
+    "ICudaEngine.weight_streaming_budget_v2",
+    "ICudaEngine.streamable_weights_size",
+})
 
 
-def used_names(version: str, precision: str = "fp16") -> frozenset[str]:
-    """The names the backend's code path for ``version`` and ``precision`` uses."""
+def used_names(version: str, precision: str = "fp16", streaming: bool = False) -> frozenset[str]:
+    """The names the backend's code path for ``version`` and ``precision`` uses (``streaming``:
+    for an engine built with weight streaming, where the version has it)."""
     feats = features(version)
     names = set(RUNTIME | BUILD | REFIT | POLYGRAPHY)
-    if feats.precision_flags and precision == "fp16":
+    streams = streaming and feats.weight_streaming
+    if feats.precision_flags and precision == "fp16" and not streams:
         names |= ONLY_10_FP16
     if feats.strongly_typed_only:
         names |= ONLY_11
+    if streams:
+        names |= STREAMING
     return frozenset(names)
 
 
 def declared_names() -> frozenset[str]:
     """Every name declared above, whatever the version."""
-    return RUNTIME | BUILD | REFIT | POLYGRAPHY | ONLY_10_FP16 | ONLY_11
+    return RUNTIME | BUILD | REFIT | POLYGRAPHY | ONLY_10_FP16 | ONLY_11 | STREAMING
 
 
 # ---- the real name lists -------------------------------------------------------------------------

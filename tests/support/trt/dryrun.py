@@ -341,7 +341,8 @@ class FakeBuilder(FakeObject):
         source = getattr(network, "_onnx", None)
         if source is not None and isinstance(config, FakeConfig) and config._profiles:
             ranges = config._profiles[0]._shapes
-            return HostMemory(onnx_plan(source, ranges, refittable="trt.BuilderFlag.REFIT" in config._flags))
+            return HostMemory(onnx_plan(source, ranges, refittable="trt.BuilderFlag.REFIT" in config._flags,
+                                        streaming="trt.BuilderFlag.WEIGHT_STREAMING" in config._flags))
         return HostMemory(b"sd-accel dry-run plan")
 
 
@@ -464,6 +465,14 @@ class FakeEngine(FakeObject):
     def create_execution_context(self) -> FakeContext:
         return FakeContext(self)
 
+    @property
+    def streamable_weights_size(self) -> int:
+        """The weights a streamed engine can leave in host memory (0: built without streaming)."""
+        return int(self._spec.get("streamable", 0))
+
+    def get_weight_streaming_automatic_budget(self) -> int:
+        return self.streamable_weights_size // 2  # as if half of them fit beside the activations
+
     def serialize(self) -> HostMemory:
         return HostMemory(json.dumps(self._spec).encode())
 
@@ -485,7 +494,8 @@ def _constant_value(node) -> np.ndarray:
     raise ValueError(f"the stand-in parser does not model {node.op_type} {node.name!r}'s attributes")
 
 
-def onnx_plan(onnx_path: str, ranges: dict[str, tuple[list[int], list[int]]], refittable: bool) -> bytes:
+def onnx_plan(onnx_path: str, ranges: dict[str, tuple[list[int], list[int]]], refittable: bool,
+              streaming: bool = False) -> bytes:
     """The plan the stand-in builder makes from a parsed ONNX model: the graph (without its
     weights), the profile's ranges, and the weights the ONNX parser names: each initializer by its
     name, and, like the parser, a ``Constant`` node's value by its output's name and a
@@ -511,7 +521,9 @@ def onnx_plan(onnx_path: str, ranges: dict[str, tuple[list[int], list[int]]], re
             static = [d.dim_value for d in value.type.tensor_type.shape.dim]
             lo, hi = ranges.get(value.name, (static, static))
             inputs[value.name] = {"dtype": dtype(value), "min": lo, "max": hi}
+    streamable = sum(w.nbytes for w in weights.values()) if streaming else 0  # all of them, as TensorRT's
     header = {"inputs": inputs, "refittable": refittable, "weights": list(weights), "initializers": sorted(inits),
+              "streamable": streamable,
               "outputs": {value.name: {"dtype": dtype(value)} for value in model.graph.output}}
     del model.graph.initializer[:]
     return bytes(FakeOnnxEngine(header, weights, model.SerializeToString()).serialize())
@@ -769,13 +781,17 @@ def dry_run(version: str, names: NameList | None = None) -> Iterator[DryRun]:
 # ---- the GPU, as torch describes it -------------------------------------------------------------
 
 
-def pretend_gpu(monkeypatch, arch: str = "sm89") -> None:
+def pretend_gpu(monkeypatch, arch: str = "sm89", memory: int = 24 * 2**30) -> None:
     """Answer the backend's questions to torch as on a machine with an NVIDIA GPU of ``arch``: CUDA
-    is available (``trt_status``), the GPU's arch (timing cache names), and torch's current CUDA
-    stream is the null handle (the stream a runner launches on)."""
+    is available (``trt_status``), the GPU's arch (timing cache names), its ``memory`` (whether an
+    engine's weights are streamed), and torch's current CUDA stream is the null handle (the stream
+    a runner launches on)."""
     import sd_accel.device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(total_memory=memory, name=f"pretend {arch}"))
     monkeypatch.setattr(sd_accel.device, "gpu_arch", lambda index=0: arch)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
 
