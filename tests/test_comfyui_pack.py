@@ -20,6 +20,8 @@ STUB = Path(__file__).resolve().parent / "comfyui_stub"
 sys.path.insert(0, str(STUB))
 import comfy_harness as harness  # noqa: E402  (named apart from tests/webui_stub/harness.py: one sys.modules)
 
+from support.resident import resident_share  # noqa: E402
+
 sys.path.remove(str(STUB))
 
 
@@ -431,3 +433,31 @@ def test_engines_of_checkpoints_used_longer_ago_are_closed(tmp_path, monkeypatch
     assert sorted(closed) == sorted(["ckpt-bbbbbbbbbb", "ckpt-aaaaaaaaaa", "ckpt-aaaaaaaaaa.clip_l",
                                      "ckpt-aaaaaaaaaa+lora-1"])
     assert st.refits.get(where, (("l", 1.0),)) is None
+
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parking measures /proc/self/smaps")
+def test_runs_on_engines_park_the_torch_unet_and_loras_still_patch_it(tmp_path, engine_dir, caplog):
+    """Issue 46: ComfyUI keeps its fp32 UNet in RAM whatever serves the calls; beside the engines a
+    real ComfyUI's engine runs held more than its PyTorch runs. A run the engines serve parks it
+    (file-backed, its pages handed back at the run's end); LoRA patches still go into it and come
+    out again, and a later PyTorch run computes what it did before."""
+    comfy = harness.start(tmp_path, engine_dir)
+    model, clip, _ = comfy.load()
+    unet = model.model.diffusion_model
+    base_torch = comfy.sample(model, clip)
+    assert resident_share(unet)[0] == 0  # as loaded: anonymous memory
+    engines = comfy.node("SdAccelApplyEngines").apply(model)[0]
+    comfy.sample(engines, clip)
+    assert "2 on engines, 0 in PyTorch" in _unet_calls(caplog)
+    mapped, resident = resident_share(unet)
+    assert mapped == 1.0 and resident < 0.25, (mapped, resident)
+    lora = comfy.sd.lora_for(model, seed=3)
+    torch_lora, _ = comfy.sd.load_lora_for_models(model, clip, lora, 0.7, 0.7)
+    reference = comfy.sample(torch_lora, clip)
+    engine_lora, _ = comfy.sd.load_lora_for_models(engines, clip, lora, 0.7, 0.7)
+    caplog.clear()
+    torch.testing.assert_close(comfy.sample(engine_lora, clip), reference, atol=2e-3, rtol=2e-3)
+    assert "2 on engines, 0 in PyTorch" in _unet_calls(caplog)
+    torch.testing.assert_close(comfy.sample(model, clip), base_torch)  # the parked weights are the base ones

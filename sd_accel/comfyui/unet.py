@@ -184,12 +184,39 @@ class EngineUNet:
         if run.counter is not None:
             run.counter.reset_stats()
         self.run = run
+        unet = self._park(run)
         try:
             return executor(*args, **kwargs)
         finally:
             self.last_report = self.report(run)
             log.info("%s", self.last_report)
             self.run = None
+            if unet is not None:
+                from sd_accel.runtime.weights import release
+
+                release(unet)  # what the LoRA patching, a refit or a PyTorch call paged in
+
+    def _park(self, run: Run) -> torch.nn.Module | None:
+        """ComfyUI's torch UNet with its weights parked (:func:`sd_accel.runtime.weights.park`:
+        written once to a memory-mapped file, resident only while used) for a run the engines
+        serve. ComfyUI keeps the whole fp32 UNet in RAM whatever serves the calls: beside the
+        engine (and the refit's copy) it put a real ComfyUI's engine runs above its own PyTorch
+        runs (issue 46). ComfyUI still patches and restores LoRA weights in it as usual (those
+        become private copies), a PyTorch call or a refit pages in what it reads, and the run's
+        end hands those pages back. None (nothing parked) for a run in PyTorch."""
+        if run.reason is not None or (run.engines is None and not run.refit):
+            return None
+        unet = getattr(getattr(run.patcher, "model", None), "diffusion_model", None)
+        if not isinstance(unet, torch.nn.Module):
+            return None
+        from sd_accel.runtime.weights import park
+
+        try:
+            park(unet, self.state.engine_dir(), "ComfyUI UNet")
+        except Exception as exc:  # noqa: BLE001  (never stop the image: the weights stay in RAM)
+            self.state.say_once(f"the UNet's torch weights stay in RAM beside the engines: {type(exc).__name__}: {exc}")
+            return None
+        return unet
 
     def _refit(self, run: Run, unet: torch.nn.Module) -> None:
         """The checkpoint's engine refitted to the patched weights now in ``unet`` (once per set)."""
