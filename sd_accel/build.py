@@ -247,7 +247,9 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
 
     spec, profile, precision, record_extra = job.spec, job.profile, job.precision, job.record_extra
     model = job.model_id or be.model_id(spec.torch_module()) or fingerprint(spec.torch_module())
-    key = EngineKey(model, spec.name, be.name, info.version, info.arch, precision, profile.tag)
+    plan = _segment_plan(be, spec, precision)
+    key = EngineKey(model, spec.name, be.name, info.version, info.arch, precision, profile.tag,
+                    layout=plan.tag if plan is not None else "")
     existing = cache.get(key)
     if existing is not None and existing.status == "ok":
         tick(1.0, "cached")
@@ -262,6 +264,12 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
             record = slot.commit(files, spec.shape_ranges(profile), time.perf_counter() - start,
                                  result.to_dict() if result else None, record_extra(None) if record_extra else {},
                                  share=be.weights_files)
+            tick(1.0, "done")
+            return record
+        if plan is not None:  # (a transformer too big to export whole: sd_accel.build_segments)
+            files, result = _build_chain_and_check(be, spec, plan, profile, precision, slot.dir, tick, validate_it)
+            record = slot.commit(files, spec.shape_ranges(profile), time.perf_counter() - start,
+                                 result.to_dict() if result else None, record_extra(None) if record_extra else {})
             tick(1.0, "done")
             return record
         tick(0.0, "exporting ONNX")
@@ -320,6 +328,46 @@ def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: st
                                memo=memo)
     finally:
         runner.close()
+
+
+def _segment_plan(be, spec, precision: str):
+    """Where to cut ``spec``'s module for a build in segments (:func:`sd_accel.components.segments.plan_for`),
+    or None: built whole. Static int8 is built whole (its calibration feeds the whole module's
+    inputs), and so is a backend that builds from the torch module."""
+    from sd_accel.components.segments import plan_for
+
+    if be.takes_torch_module:
+        return None
+    plan = plan_for(spec)
+    if plan is not None and precision == "int8":
+        log.warning("%s: static int8 builds the module whole (its calibration is the whole module's); "
+                    "it would be built in %d segments otherwise", spec.name, len(plan.segments))
+        return None
+    return plan
+
+
+def _build_chain_and_check(be, spec, plan, profile: Profile, precision: str, out_dir: Path, tick: Progress,
+                           validate_it: bool):
+    """A build in segments into ``out_dir`` (:mod:`sd_accel.build_segments`) and, when asked, its
+    check against torch, whose reference also runs one segment in fp32 at a time; a failed check
+    raises, as for any engine."""
+    from sd_accel.build_segments import ChainReference, build_chain, chain_runner
+    from sd_accel.validate import validate
+
+    shapes = spec.shape_ranges(profile)
+    log.info("%s: building in %d segments (%s)", spec.name, len(plan.segments), plan.tag)
+    files = build_chain(be, spec, plan, profile, precision, out_dir, lambda f, m: tick(0.8 * f, m),
+                        release=release_torch_weights)
+    if not validate_it:
+        return files, None
+    tick(0.85, "validating against torch")
+    with chain_runner(be, out_dir, files, shapes) as runner:
+        result = validate(ChainReference(spec, plan, be.torch_device), runner, profile, precision,
+                          device=be.torch_device)
+    if not result.ok:
+        raise ValidationFailed(f"{be.name} engine of {spec.name} ({profile.tag}, {precision}, {plan.tag}) failed "
+                               f"validation: {result.why}. It was not kept; try precision='fp32'.")
+    return files, result
 
 
 def _build_module_and_check(be, spec, model: str, profile: Profile, precision: str, out_dir: Path, tick: Progress,

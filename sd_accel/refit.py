@@ -248,6 +248,9 @@ def _patched(handle, weights: dict[str, torch.Tensor], spec, export: Path, out: 
 def needs_rebuild(handle) -> str | None:
     """Why the engine of ``handle`` cannot be refitted (its precision), or None when it can."""
     precision = handle.record.key.precision
+    if getattr(handle.record.key, "layout", ""):
+        return (f"{handle.name} was built in segments (its exports are not kept): changed weights need an engine "
+                "built from them")
     if precision in NEEDS_REBUILD:
         return (f"{handle.name} is {precision} (weights quantized with calibrated scales): changed weights "
                 "need an engine built from them")
