@@ -43,7 +43,7 @@ def prepare(folder: Path, double: int, single: int) -> None:
 
 
 def build(folder: Path, engines: Path, mode: str, backend: str, size: int, text: int, precision: str,
-          budget_mib: int) -> None:
+          budget_mib: float) -> None:
     os.environ["SD_ACCEL_SEGMENTS"] = "off" if mode == "whole" else str(budget_mib)
     import torch
 
@@ -53,9 +53,15 @@ def build(folder: Path, engines: Path, mode: str, backend: str, size: int, text:
     pipe = load_pipeline(str(folder), torch_dtype=torch.bfloat16)
     loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
+
+    def stage(ev) -> None:  # where the memory goes: each stage with RSS now and the peak so far
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        print(f"STAGE {time.perf_counter() - start:7.1f}s rss {int(status['VmRSS'].split()[0]) / 2**20:5.2f} GiB "
+              f"peak {int(status['VmHWM'].split()[0]) / 2**20:5.2f} GiB  {ev.stage}", flush=True)
+
     (record,) = build_engines(pipe, profiles=[Profile(batch=1, height=size, width=size, text=text)],
                               backend=backend, precision=precision, components=["transformer"],
-                              engine_dir=str(engines), progress=False)
+                              engine_dir=str(engines), progress=stage)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     params = sum(p.numel() for p in pipe.transformer.parameters())
@@ -79,7 +85,7 @@ def main() -> None:
     b.add_argument("--size", type=int, default=512)
     b.add_argument("--text", type=int, default=512)
     b.add_argument("--precision", default="fp32")
-    b.add_argument("--budget-mib", type=int, default=1024)
+    b.add_argument("--budget-mib", type=float, default=1024)
     args = ap.parse_args()
     if args.cmd == "prepare":
         prepare(args.folder, args.double, args.single)

@@ -28,6 +28,7 @@ from sd_accel.onnx.attention import sdpa_attention
 from sd_accel.onnx.export import export_onnx, fp32_on
 from sd_accel.pages import trim_heap
 from sd_accel.profiles import Profile
+from sd_accel.runtime.weights import release
 
 log = logging.getLogger("sd_accel")
 
@@ -41,6 +42,8 @@ def build_chain(be, spec, plan: SegmentPlan, profile: Profile, precision: str, o
     weights a segment's export read (the build's ``release_torch_weights``)."""
     links: list[ChainLink] = []
     count = len(plan.segments)
+    if release is not None:
+        release(spec)  # the fingerprint read every weight: only one segment's are needed at a time
     for segment in plan.segments:
         part = SegmentSpec(spec, segment)
         start = time.perf_counter()
@@ -53,7 +56,9 @@ def build_chain(be, spec, plan: SegmentPlan, profile: Profile, precision: str, o
         try:
             onnx_path = export_onnx(part, scratch, lambda f, m: sub(0.4 * f, m))
             if release is not None:
-                release(spec)
+                release(spec)  # (it trims the heap too: the segment's fp32 copy and traced graph)
+            else:
+                trim_heap()
             folder = Path(out_dir) / segment.folder
             folder.mkdir(parents=True, exist_ok=True)
             shapes = part.shape_ranges(profile)
@@ -82,6 +87,7 @@ class _Chain(torch.nn.Module):
             module = part.torch_module()
             with fp32_on(module, self.device), sdpa_attention(module):
                 out = module(*(state[t.name] for t in part.inputs()))
+            release(module)  # its weights' pages, where they are mapped from their file: the next segment's turn
             state.update(zip((state_name(t.name) for t in part.outputs()), out, strict=True))
         return tuple(state[name] for name in self.output_names)
 
@@ -109,8 +115,10 @@ class ChainReference:
 
 
 @contextmanager
-def chain_runner(be, out_dir: Path, files: list[str], shapes) -> Iterator:
-    runner = load_engine(be, out_dir, files, shapes)
+def chain_runner(be, out_dir: Path, files: list[str], shapes, streaming: bool = True) -> Iterator:
+    """The chained engine's runner for its check against torch: streaming by default (one segment's
+    weights in memory at a time, see :func:`sd_accel.backends.chain.load_engine`)."""
+    runner = load_engine(be, out_dir, files, shapes, streaming=streaming)
     try:
         yield runner
     finally:

@@ -62,12 +62,19 @@ def is_chain(files: Sequence[str]) -> bool:
     return CHAIN_FILE in files
 
 
-def load_engine(backend, engine_dir: Path, files: Sequence[str], shapes: ShapeRanges):
+def load_engine(backend, engine_dir: Path, files: Sequence[str], shapes: ShapeRanges, streaming: bool = False):
     """The runner of an engine: ``backend.load`` for one engine, a :class:`ChainRunner` of the
-    backend's runners for a chain (every segment loaded; each maps its own weights)."""
+    backend's runners for a chain (every segment loaded; each maps its own weights).
+
+    ``streaming``: a chain loads each segment when its turn comes and closes it after
+    (:class:`StreamingChainRunner`): one segment's weights in memory at a time, at the cost of a
+    load per segment per call. What a build's check against torch runs, so that an engine is
+    checked on a machine that holds only a part of it (FLUX.1 in fp32: 44 GB)."""
     if not is_chain(files):
         return backend.load(engine_dir, list(files), shapes)
     links = read_chain(engine_dir)
+    if streaming:
+        return StreamingChainRunner(backend, Path(engine_dir), links, shapes)
     runners: list = []
     try:
         for link in links:
@@ -115,3 +122,35 @@ class ChainRunner:
     def close(self) -> None:
         for runner in self.runners:
             runner.close()
+
+
+class StreamingChainRunner:
+    """A chain run one segment at a time: each segment's runner loaded for its turn and closed
+    after it, its outputs copied out first (a runner's buffers go with it). See :func:`load_engine`."""
+
+    def __init__(self, backend, engine_dir: Path, links: Sequence[ChainLink], shapes: ShapeRanges) -> None:
+        if not links:
+            raise EngineFault("a chained engine needs at least one segment")
+        self.backend, self.engine_dir, self.links, self.shapes = backend, engine_dir, list(links), shapes
+
+    def infer(self, feed: dict) -> dict:
+        from sd_accel.pages import trim_heap
+
+        if not covers(self.shapes, feed):
+            got = {k: tuple(v.shape) for k, v in feed.items()}
+            raise EngineError(f"engine does not cover shapes {got}; its ranges are {self.shapes}")
+        state = dict(feed)
+        out: dict = {}
+        for link in self.links:
+            runner = self.backend.load(self.engine_dir / link.folder, list(link.files), link.shapes)
+            try:
+                out = {name: t.clone() for name, t in runner.infer({n: state[n] for n in link.inputs}).items()}
+            finally:
+                runner.close()
+                del runner
+                trim_heap()  # the segment's weights, freed by the runtime but kept by malloc
+            state.update({given: out[name] for name, given in zip(link.outputs, link.gives, strict=True)})
+        return {name: out[name] for name in self.links[-1].outputs}
+
+    def close(self) -> None:
+        return None

@@ -295,6 +295,10 @@ class OpenVinoBackend(Backend):
             fixed = {"graph": graph, "config": core_config(meta["precision"])}
             if meta.get("form") == "ir":  # (see build: compiled here, the weights mapped from engine.bin)
                 compiled = ov.Core().compile_model(str(engine_dir / _GRAPH_FILE), "CPU", core_config(meta["precision"]))
+                # compiling copied the weights into the plugin's buffers: the mapped engine.bin pages
+                # would stay resident beside them (a chained engine loads every segment before its
+                # first call: their sum)
+                release_file(engine_dir)
                 return OpenVinoRunner(compiled, shapes, mapped=engine_dir, **fixed)
             config = compile_config(meta["precision"])
             if meta.get("weights"):
