@@ -3,7 +3,7 @@ slice with random weights: its real hidden size, heads, rotary axes and guidance
 a few blocks of each kind, stored in bf16 as the real checkpoints are and loaded from its
 safetensors (memory-mapped) as a user's pipeline is.
 
-    python scripts/bench_segments.py prepare DIR [--double 2] [--single 2]
+    python scripts/bench_segments.py prepare DIR [--double 2] [--single 2] [--heads 24]
     python scripts/bench_segments.py build DIR ENGINES --mode whole|segments [--backend openvino]
         [--size 512] [--text 512] [--precision fp32] [--budget-mib 1024]
 
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def prepare(folder: Path, double: int, single: int) -> None:
+def prepare(folder: Path, double: int, single: int, heads: int | None = None) -> None:
     import torch
 
     from sd_accel.models.builtin import tiny_configs
@@ -34,7 +34,8 @@ def prepare(folder: Path, double: int, single: int) -> None:
 
     configs = tiny_configs("flux-dev")  # tiny CLIP, T5 and VAE: only the transformer is built
     real = load_family_configs(FAMILIES["flux-dev"])["transformer/config.json"]
-    configs["transformer/config.json"] = dict(real, num_layers=double, num_single_layers=single)
+    configs["transformer/config.json"] = dict(real, num_layers=double, num_single_layers=single,
+                                              num_attention_heads=heads or real["num_attention_heads"])
     pipe = random_pipeline(configs, seed=0)
     pipe.transformer.to(torch.bfloat16)
     pipe.save_pretrained(folder, safe_serialization=True)
@@ -77,6 +78,7 @@ def main() -> None:
     p.add_argument("folder", type=Path)
     p.add_argument("--double", type=int, default=2)
     p.add_argument("--single", type=int, default=2)
+    p.add_argument("--heads", type=int, default=None, help="fewer heads than the real 24: a narrower model")
     b = sub.add_parser("build")
     b.add_argument("folder", type=Path)
     b.add_argument("engines", type=Path)
@@ -88,7 +90,7 @@ def main() -> None:
     b.add_argument("--budget-mib", type=float, default=1024)
     args = ap.parse_args()
     if args.cmd == "prepare":
-        prepare(args.folder, args.double, args.single)
+        prepare(args.folder, args.double, args.single, args.heads)
     else:
         build(args.folder, args.engines, args.mode, args.backend, args.size, args.text, args.precision,
               args.budget_mib)
