@@ -140,3 +140,38 @@ def test_pipeline_runs_on_a_segmented_engine(tmp_path, monkeypatch, name):
     assert np.abs(out - ref).max() < 2e-3
     s = stats(pipe)["transformer"]
     assert s["engine_calls"] == 3 and s["torch_calls"] == 0, s
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", pytest.param("openvino", marks=pytest.mark.slow)])
+def test_t5_in_segments_matches_torch_and_the_whole_engine(tmp_path, monkeypatch, backend):
+    if backend == "openvino":
+        pytest.importorskip("openvino")
+    records = []
+    for segments in (False, True):
+        monkeypatch.setenv(SEGMENTS_ENV, "0.01" if segments else "off")
+        (record,) = build_engines(load_pipeline("builtin:tiny-sd3"), profiles=[DYNAMIC], backend=backend,
+                                  precision="fp32", components=["t5"], engine_dir=tmp_path, progress=False)
+        assert record.validation["ok"] and record.validation["rel_l2"] < 1e-4, record.validation
+        records.append(record)
+    whole, chain = records
+    assert whole.key.layout == "" and chain.key.layout.startswith("seg")
+    spec = specs_for(load_pipeline("builtin:tiny-sd3"))["t5"]
+    plan = plan_for(spec, EVERY_BLOCK)
+    from sd_accel.components.segments import SegmentSpec
+
+    first = SegmentSpec(spec, plan.segments[0])
+    assert [t.name for t in first.outputs()] == ["hidden_next", "position_bias"]
+    be = get_backend(backend, cache_root=tmp_path)
+    feed = spec.sample_feed({"B": 2, "L": 100}, seed=3)
+    outs = []
+    for record in records:
+        runner = load_engine(be, tmp_path / record.key.name, list(record.files),
+                             {k: tuple(map(tuple, v)) for k, v in record.shapes.items()})
+        try:
+            outs.append(runner.infer(feed)["last_hidden_state"].clone())
+        finally:
+            runner.close()
+    with torch.no_grad():
+        (want,) = reference(spec.export_module().eval(), feed)
+    for got in outs:
+        assert ((got - want).norm() / want.norm()).item() < 1e-4

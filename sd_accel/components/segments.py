@@ -106,9 +106,15 @@ def _fp32_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * 4 for t in (*module.parameters(), *module.buffers()) if t.is_floating_point())
 
 
+def _attr(module: torch.nn.Module, dotted: str):
+    for name in dotted.split("."):
+        module = getattr(module, name)
+    return module
+
+
 def plan_for(spec, policy: SegmentPolicy | None = None) -> SegmentPlan | None:
-    """Where to cut ``spec``'s module (None: build it whole). Only the transformer families'
-    specs can be cut (they say their block lists: ``segment_blocks``)."""
+    """Where to cut ``spec``'s module (None: build it whole). Only the specs that say their block
+    lists (``segment_blocks``: the transformer families' and T5's) can be cut."""
     policy = SegmentPolicy.from_env() if policy is None else policy
     lists = getattr(spec, "segment_blocks", None)
     if policy.never or lists is None:
@@ -116,7 +122,7 @@ def plan_for(spec, policy: SegmentPolicy | None = None) -> SegmentPlan | None:
     module = spec.torch_module()
     if not policy.always and _fp32_bytes(module) <= policy.auto_above:
         return None
-    blocks = [(name, i, _fp32_bytes(block)) for name in lists() for i, block in enumerate(getattr(module, name))]
+    blocks = [(name, i, _fp32_bytes(block)) for name in lists() for i, block in enumerate(_attr(module, name))]
     groups: list[list[tuple[str, int]]] = []
     size = 0
     for name, i, nbytes in blocks:
