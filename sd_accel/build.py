@@ -332,16 +332,18 @@ def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: st
 
 def _segment_plan(be, spec, precision: str):
     """Where to cut ``spec``'s module for a build in segments (:func:`sd_accel.components.segments.plan_for`),
-    or None: built whole. Static int8 is built whole (its calibration feeds the whole module's
-    inputs), and so is a backend that builds from the torch module."""
+    or None: built whole. int8 in segments is int8 weights only (the backend's
+    ``int8_weights_only``: OpenVINO); a backend without it builds static int8 whole (its
+    calibration feeds the whole module's inputs). A backend that builds from the torch module
+    builds it whole."""
     from sd_accel.components.segments import plan_for
 
     if be.takes_torch_module:
         return None
     plan = plan_for(spec)
-    if plan is not None and precision == "int8":
-        log.warning("%s: static int8 builds the module whole (its calibration is the whole module's); "
-                    "it would be built in %d segments otherwise", spec.name, len(plan.segments))
+    if plan is not None and precision == "int8" and be.int8_weights_only is None:
+        log.warning("%s: static int8 builds the module whole on %s (its calibration is the whole module's); "
+                    "it would be built in %d segments otherwise", spec.name, be.name, len(plan.segments))
         return None
     return plan
 

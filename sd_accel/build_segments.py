@@ -62,7 +62,11 @@ def build_chain(be, spec, plan: SegmentPlan, profile: Profile, precision: str, o
             folder = Path(out_dir) / segment.folder
             folder.mkdir(parents=True, exist_ok=True)
             shapes = part.shape_ranges(profile)
-            files = be.build(onnx_path, shapes, precision, folder, lambda f, m: sub(0.4 + 0.6 * f, m))
+            # int8 in segments: weights only (no calibration: a segment's inputs are the states the
+            # segments before it make)
+            scope = be.int8_weights_only if precision == "int8" else None
+            files = be.build(onnx_path, shapes, precision, folder, lambda f, m: sub(0.4 + 0.6 * f, m),
+                             int8_scope=scope)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             trim_heap()  # the segment's fp32 copy and export, freed but kept by malloc

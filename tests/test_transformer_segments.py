@@ -175,3 +175,22 @@ def test_t5_in_segments_matches_torch_and_the_whole_engine(tmp_path, monkeypatch
         (want,) = reference(spec.export_module().eval(), feed)
     for got in outs:
         assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "component"), [("builtin:tiny-flux", "transformer"), ("builtin:tiny-sd3", "t5")])
+def test_int8_in_segments_is_weights_only_on_openvino(tmp_path, monkeypatch, name, component):
+    """int8 of a module built in segments compresses the weights only (no calibration: a segment's
+    inputs are what the segments before it make): no calibration run, a smaller engine, within the
+    int8 tolerance of torch."""
+    pytest.importorskip("nncf")
+    monkeypatch.setenv(SEGMENTS_ENV, "0.01")
+    sizes = {}
+    for precision in ("fp32", "int8"):
+        (record,) = build_engines(load_pipeline(name), profiles=[Profile(batch=1, height=64, width=64, text=64)],
+                                  backend="openvino", precision=precision, components=[component],
+                                  engine_dir=tmp_path, progress=False)
+        assert record.key.layout.startswith("seg") and record.validation["ok"], record.validation
+        sizes[precision] = record.size_bytes
+    assert record.validation["rel_l2"] < 0.1 and "int8_scope" not in record.extra
+    assert sizes["int8"] < 0.6 * sizes["fp32"], sizes
