@@ -1,6 +1,7 @@
 """A FLUX.1 slice built in segments within memory (issue 44): its real head size, rotary axes and
 guidance embedding, half its heads (hidden 1536: the real width's export does not fit beside other
-jobs on a shared 24 GB machine; its figures are in scripts/BENCHMARKS.md), two double- and two
+jobs on a shared 24 GB machine in a test: 7.86 GiB in segments against 12.73 GiB whole, 8.5 min,
+scripts/BENCHMARKS.md), two double- and two
 single-stream blocks, stored in bf16 and loaded from its safetensors as a user's pipeline is, built
 on OpenVINO one segment at a time and validated against torch in a fresh process whose ru_maxrss
 is asserted. Random weights. ``scripts/bench_segments.py`` makes the slice and runs the build (it
