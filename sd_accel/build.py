@@ -250,13 +250,15 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
 
     spec, profile, precision, record_extra = job.spec, job.profile, job.precision, job.record_extra
     model = job.model_id or be.model_id(spec.torch_module()) or fingerprint(spec.torch_module())
-    key = EngineKey(model, spec.name, be.name, info.version, info.arch, precision, profile.tag)
+    plan = _segment_plan(be, spec, precision)
+    key = EngineKey(model, spec.name, be.name, info.version, info.arch, precision, profile.tag,
+                    layout=plan.tag if plan is not None else "")
     existing = cache.get(key)
     if existing is not None and existing.status == "ok":
         tick(1.0, "cached")
         return existing
     if not be.takes_torch_module:
-        check_export_fits(spec)  # before the slot: a refused build leaves nothing behind
+        check_export_fits(spec, plan)  # before the slot: a refused build leaves nothing behind
     with cache.build_slot(key) as slot:
         if slot is None:  # another process built it while we waited for the lock
             tick(1.0, "built by another process")
@@ -267,6 +269,12 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
             record = slot.commit(files, spec.shape_ranges(profile), time.perf_counter() - start,
                                  result.to_dict() if result else None, record_extra(None) if record_extra else {},
                                  share=be.weights_files)
+            tick(1.0, "done")
+            return record
+        if plan is not None:  # (a transformer too big to export whole: sd_accel.build_segments)
+            files, result = _build_chain_and_check(be, spec, plan, profile, precision, slot.dir, tick, validate_it)
+            record = slot.commit(files, spec.shape_ranges(profile), time.perf_counter() - start,
+                                 result.to_dict() if result else None, record_extra(None) if record_extra else {})
             tick(1.0, "done")
             return record
         tick(0.0, "exporting ONNX")
@@ -309,17 +317,22 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
 EXPORT_OVERHEAD = 1 << 30
 
 
-def export_needs(spec) -> int:
+def export_needs(spec, plan=None) -> int:
     """Bytes the ONNX export (or the backend's conversion of it) of ``spec``'s module needs at the
-    least: one fp32 copy of its weights (the graph's initializers) plus :data:`EXPORT_OVERHEAD`.
-    Measured peaks were 1.7-4.7x the fp32 weights plus 1-2 GB (SD 1.5 UNet 2.5x, SDXL's 1.7x,
-    FLUX.1's width at 1024 px 3.7x), so this bound refuses only a build that cannot fit."""
+    least: one fp32 copy of its weights (the graph's initializers) plus :data:`EXPORT_OVERHEAD`;
+    for a build in segments (``plan``), of its largest segment's blocks. Measured peaks were
+    1.7-4.7x the fp32 weights plus 1-2 GB (SD 1.5 UNet 2.5x, SDXL's 1.7x, FLUX.1's width at 1024 px
+    3.7x; a segment ~5x its blocks), so this bound refuses only a build that cannot fit."""
     module = spec.torch_module()
-    count = sum(t.numel() for t in itertools.chain(module.parameters(), module.buffers()))
+    if plan is None:
+        count = sum(t.numel() for t in itertools.chain(module.parameters(), module.buffers()))
+    else:
+        count = max(sum(p.numel() for name, i in segment.blocks for p in module.get_submodule(name)[i].parameters())
+                    for segment in plan.segments)
     return 4 * count + EXPORT_OVERHEAD
 
 
-def check_export_fits(spec) -> None:
+def check_export_fits(spec, plan=None) -> None:
     """Raise :class:`~sd_accel.core.EngineError` before an export that cannot fit in the memory and
     swap available now (FLUX.1's transformer needs 45 GB, SD3.5 Large's 31 GB), instead of the
     kernel ending the process halfway. ``SD_ACCEL_NO_PREFLIGHT=1`` skips the check."""
@@ -328,7 +341,7 @@ def check_export_fits(spec) -> None:
     free = device.available_memory()
     if free is None:
         return
-    need = export_needs(spec)
+    need = export_needs(spec, plan)
     if need <= free:
         return
     raise EngineError(
@@ -360,6 +373,48 @@ def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: st
                                memo=memo)
     finally:
         runner.close()
+
+
+def _segment_plan(be, spec, precision: str):
+    """Where to cut ``spec``'s module for a build in segments (:func:`sd_accel.components.segments.plan_for`),
+    or None: built whole. int8 in segments is int8 weights only (the backend's
+    ``int8_weights_only``: OpenVINO); a backend without it builds static int8 whole (its
+    calibration feeds the whole module's inputs). A backend that builds from the torch module
+    builds it whole."""
+    from sd_accel.components.segments import plan_for
+
+    if be.takes_torch_module:
+        return None
+    plan = plan_for(spec)
+    if plan is not None and precision == "int8" and be.int8_weights_only is None:
+        log.warning("%s: static int8 builds the module whole on %s (its calibration is the whole module's); "
+                    "it would be built in %d segments otherwise", spec.name, be.name, len(plan.segments))
+        return None
+    return plan
+
+
+def _build_chain_and_check(be, spec, plan, profile: Profile, precision: str, out_dir: Path, tick: Progress,
+                           validate_it: bool):
+    """A build in segments into ``out_dir`` (:mod:`sd_accel.build_segments`) and, when asked, its
+    check against torch, whose reference also runs one segment in fp32 at a time; a failed check
+    raises, as for any engine."""
+    from sd_accel.build_segments import ChainReference, build_chain, chain_runner
+    from sd_accel.validate import validate
+
+    shapes = spec.shape_ranges(profile)
+    log.info("%s: building in %d segments (%s)", spec.name, len(plan.segments), plan.tag)
+    files = build_chain(be, spec, plan, profile, precision, out_dir, lambda f, m: tick(0.8 * f, m),
+                        release=release_torch_weights)
+    if not validate_it:
+        return files, None
+    tick(0.85, "validating against torch")
+    with chain_runner(be, out_dir, files, shapes) as runner:
+        result = validate(ChainReference(spec, plan, be.torch_device), runner, profile, precision,
+                          device=be.torch_device)
+    if not result.ok:
+        raise ValidationFailed(f"{be.name} engine of {spec.name} ({profile.tag}, {precision}, {plan.tag}) failed "
+                               f"validation: {result.why}. It was not kept; try precision='fp32'.")
+    return files, result
 
 
 def _build_module_and_check(be, spec, model: str, profile: Profile, precision: str, out_dir: Path, tick: Progress,

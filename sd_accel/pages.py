@@ -6,6 +6,7 @@ every function here does nothing."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import ctypes.util
@@ -103,3 +104,31 @@ def trim_heap() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+
+
+class FileMaps:
+    """The file-backed mappings of this process (``/proc/self/maps``; none where it is absent)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        try:
+            with open("/proc/self/maps") as fh:
+                lines = fh.read().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or parts[4] == "0" or parts[5].startswith("["):
+                continue  # anonymous, heap, stack
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if self.ends and lo == self.ends[-1]:
+                self.ends[-1] = hi  # one file mapped as adjacent pieces
+            else:
+                self.starts.append(lo)
+                self.ends.append(hi)
+
+    def holds(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies in one file-backed mapping."""
+        i = bisect.bisect_right(self.starts, ptr) - 1
+        return i >= 0 and ptr + nbytes <= self.ends[i]

@@ -283,6 +283,9 @@ def _one_at_a_time(value: Callable[[str], np.ndarray | None]) -> Callable[[str],
 def needs_rebuild(handle) -> str | None:
     """Why the engine of ``handle`` cannot be refitted (its precision), or None when it can."""
     precision = handle.record.key.precision
+    if getattr(handle.record.key, "layout", ""):
+        return (f"{handle.name} was built in segments (its exports are not kept): changed weights need an engine "
+                "built from them")
     if precision in NEEDS_REBUILD:
         return (f"{handle.name} is {precision} (weights quantized with calibrated scales): changed weights "
                 "need an engine built from them")

@@ -55,3 +55,15 @@ def test_the_check_lets_what_fits_build_and_can_be_skipped(tiny_factory, tmp_pat
     (record,) = build_engines(pipe, profiles=profile, backend="onnxruntime", components=["vae_decoder"],
                               engine_dir=tmp_path / "b", progress=False, validate=False)
     assert record.status == "ok"
+
+
+def test_a_build_in_segments_needs_its_largest_segment_not_the_whole_module(tiny_factory):
+    """FLUX.1's transformer (45 GB in fp32) is built one segment at a time: the pre-flight asks for
+    the memory of the largest segment's export, not the whole module's."""
+    from sd_accel.components.segments import SegmentPolicy, plan_for
+
+    spec = specs_for(tiny_factory("flux-schnell"))["transformer"]
+    plan = plan_for(spec, SegmentPolicy(budget=1, always=True))  # one block per segment
+    assert plan is not None and len(plan.segments) >= 3
+    whole, segmented = export_needs(spec), export_needs(spec, plan)
+    assert EXPORT_OVERHEAD < segmented < whole

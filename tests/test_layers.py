@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "sd_accel"
 # Bottom to top, as the Layout (docs/reference/layout.md) lists them. A layer is the first name under sd_accel.
 ORDER = ["core", "paths", "units", "pages", "profiles", "device", "models", "optimize", "samplers", "components", "onnx",
-         "backends", "cache", "runtime", "calibration", "validate", "build", "autobuild", "refit", "prompts", "config",
+         "backends", "cache", "runtime", "calibration", "validate", "build_segments", "build", "autobuild", "refit", "prompts", "config",
          "api", "generate", "preview",
          "ui", "bench", "serve", "cli_engines", "cli", "webui", "comfyui"]
 

@@ -598,3 +598,28 @@ def test_export_with_graphsurgeon_prints_no_onnxruntime_warnings():
     assert all(r.returncode == 0 for r in runs.values()), {k: r.stderr[-2000:] for k, r in runs.items()}
     assert "W:onnxruntime" in runs["graphsurgeon"].stderr  # the case is real: bare graphsurgeon warns
     assert "onnxruntime" not in runs["sd-accel"].stderr, runs["sd-accel"].stderr
+
+
+def test_fp32_on_gives_file_mapped_weights_their_own_data_back(tmp_path):
+    """A bf16 weight memory-mapped from its file (a safetensors checkpoint) is converted to fp32 for
+    the export and given its mapped data back after: converted back instead, it would move into
+    anonymous memory for good (a transformer exported in segments would end up holding all of it).
+    A weight in anonymous memory is converted back as before."""
+    from sd_accel.onnx.export import fp32_on
+    from sd_accel.pages import FileMaps
+
+    path = tmp_path / "w.bin"
+    path.write_bytes(torch.randn(64, 64).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    mapped = torch.from_file(str(path), shared=False, size=64 * 64, dtype=torch.bfloat16).reshape(64, 64)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    module[0].weight.data = mapped
+    module[1].to(torch.bfloat16)
+    before = [m.weight.data_ptr() for m in module]
+    assert FileMaps().holds(before[0], 64 * 64 * 2) and not FileMaps().holds(before[1], 64 * 64 * 2)
+    values = [m.weight.detach().clone() for m in module]
+    with fp32_on(module):
+        assert all(m.weight.dtype == torch.float32 for m in module)
+    assert all(m.weight.dtype == torch.bfloat16 for m in module)
+    assert module[0].weight.data_ptr() == before[0]  # the mapped data itself
+    for m, v in zip(module, values, strict=True):
+        assert torch.equal(m.weight, v)

@@ -50,6 +50,10 @@ class Backend:
     # The int8 scopes (which layers stay in float) widest first: a validated int8 build tries
     # them in turn while the check turns the wider ones down. Empty: one int8 build, no choice.
     int8_scopes: tuple[str, ...] = ()
+    # The ``int8_scope`` that asks :meth:`build` for int8 weights only (activations in float, no
+    # calibration): how int8 builds a module in segments. None: it has no such build, and int8
+    # builds a module whole.
+    int8_weights_only: str | None = None
     # Whether :meth:`patch_weights` can write new weights into a copy of an engine (a LoRA refit
     # without a build); False: a refit always rebuilds from the exported graph.
     patches_weights: bool = False

@@ -28,6 +28,10 @@ class EngineKey:
     precision: str  # fp32, fp16, int8
     profile: str  # Profile.tag
     spec_version: int = SPEC_VERSION
+    # How the engine is cut: "" for one engine of the whole module; "seg<n>-<digest>" for a chain of
+    # n segment engines built one by one (sd_accel.components.segments). Left out of the dict and
+    # the name when empty, so the keys of whole engines stay what they were.
+    layout: str = ""
 
     @property
     def name(self) -> str:
@@ -38,12 +42,16 @@ class EngineKey:
         readable = (
             f"{self.component}.{self.arch}.{self.precision}.{self.profile}."
             f"{self.backend}-{self.backend_version}.{self.model[:12]}"
+            + (f".{self.layout}" if self.layout else "")
         )
         readable = re.sub(r"[^A-Za-z0-9._+-]", "_", readable)[:180]
         return f"{readable}.{digest}.s{self.spec_version}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.layout:
+            del data["layout"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineKey:

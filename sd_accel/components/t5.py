@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from sd_accel.components import t5_segments as segments
+from sd_accel.components.segments import Segment
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.core import InvalidValue
 from sd_accel.profiles import Profile, Range
@@ -88,3 +90,20 @@ class T5Spec(ComponentSpec):
 
     def int_high(self, name: str) -> int:
         return int(self.torch_module().config.vocab_size)
+
+    # ---- segments (sd_accel.components.segments: a build that holds one segment at a time) ----
+
+    def segment_blocks(self) -> tuple[str, ...]:
+        return segments.BLOCK_LISTS
+
+    def segment_io(self, segment: Segment) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        return segments.segment_io(self, segment)
+
+    def segment_module(self, segment: Segment) -> torch.nn.Module:
+        return segments.T5Segment(self.torch_module(), segment)
+
+    def segment_ranges(self, profile: Profile) -> dict[str, Range]:
+        return self.dim_ranges(profile)
+
+    def segment_dims(self, dims: dict[str, int]) -> dict[str, int]:
+        return dict(dims)

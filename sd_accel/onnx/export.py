@@ -35,6 +35,7 @@ from sd_accel.onnx.attention import export_attention
 from sd_accel.onnx.fingerprint import fingerprint
 from sd_accel.onnx.optimize import DATA_SUFFIX, check_model, optimize_file
 from sd_accel.onnx.weights import is_slim, write_full
+from sd_accel.pages import FileMaps
 from sd_accel.paths import export_dir, export_lock, export_temp, export_temp_globs
 from sd_accel.units import format_size
 
@@ -74,6 +75,15 @@ def fp32_on(module: torch.nn.Module, device: str = "cpu") -> Iterator[None]:
     moved = any(
         t.device.type != target.type or (t.is_floating_point() and t.dtype != torch.float32) for t in tensors.values()
     )
+    # Weights memory-mapped from their file (a bf16 safetensors checkpoint) get their own data back,
+    # not a conversion of the fp32 copy: converted, they would move into anonymous memory for good
+    # (a transformer built in segments would end up holding all its weights, 22 GB for FLUX.1).
+    # Only these: holding the original of a weight in anonymous memory beside its fp32 copy would
+    # cost its size for the duration.
+    maps = FileMaps() if moved and target.type == "cpu" else None
+    kept = {name: t.data for name, t in tensors.items()
+            if maps is not None and t.device.type == "cpu" and t.is_floating_point() and t.dtype != torch.float32
+            and _mapped(maps, t)}
     training = module.training
     if moved:
         for t in tensors.values():
@@ -85,9 +95,25 @@ def fp32_on(module: torch.nn.Module, device: str = "cpu") -> Iterator[None]:
         if moved:
             for name, t in _named_tensors(module).items():
                 dtype, device = before[name]
-                if t.dtype != dtype or t.device != device:
+                if name in kept:
+                    _set_data(t, kept[name])
+                elif t.dtype != dtype or t.device != device:
                     move_tensor(t, device, dtype)
         module.train(training)
+
+
+def _mapped(maps: FileMaps, t: torch.Tensor) -> bool:
+    storage = t.untyped_storage()
+    return bool(storage.nbytes()) and maps.holds(storage.data_ptr(), storage.nbytes())
+
+
+def _set_data(t: torch.Tensor, data: torch.Tensor) -> None:
+    """``t.data = data``, inside inference mode for an inference tensor (see :func:`move_tensor`)."""
+    if t.is_inference():
+        with torch.inference_mode():
+            t.data = data
+    else:
+        t.data = data
 
 
 def move_tensor(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> None:

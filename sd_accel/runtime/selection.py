@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sd_accel.backends.chain import load_engine
 from sd_accel.core import EngineError, EngineFault, ShapeRanges, covers, distance
 from sd_accel.runtime.coverage import uncovered
 from sd_accel.runtime.stats import ComponentStats
@@ -109,7 +110,8 @@ class EngineHandle:
     def get_runner(self):
         if self.runner is None:
             self.cache.verify(self.record, self.arch, self.backend_version)
-            self.runner = self.backend.load(self.cache.root / self.name, list(self.record.files), self.shapes)
+            self.runner = load_engine(self.backend, self.cache.root / self.name, list(self.record.files),
+                                      self.shapes)
             self.cache.touch(self.record.key)
         return self.runner
 

@@ -31,7 +31,6 @@ the process ends.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import mmap
@@ -45,8 +44,8 @@ from pathlib import Path
 
 import torch
 
+from sd_accel.pages import FileMaps, trim_heap
 from sd_accel.pages import page_out as _page_out
-from sd_accel.pages import trim_heap
 from sd_accel.units import format_size
 
 log = logging.getLogger("sd_accel")
@@ -115,32 +114,7 @@ def parked(module: torch.nn.Module) -> ParkedWeights | None:
 # --------------------------------------------------------------------------- file-backed memory
 
 
-class FileMaps:
-    """The file-backed mappings of this process (``/proc/self/maps``; none where it is absent)."""
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-        try:
-            with open("/proc/self/maps") as fh:
-                lines = fh.read().splitlines()
-        except OSError:
-            return
-        for line in lines:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or parts[4] == "0" or parts[5].startswith("["):
-                continue  # anonymous, heap, stack
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if self.ends and lo == self.ends[-1]:
-                self.ends[-1] = hi  # one file mapped as adjacent pieces
-            else:
-                self.starts.append(lo)
-                self.ends.append(hi)
-
-    def holds(self, ptr: int, nbytes: int) -> bool:
-        """Whether ``[ptr, ptr + nbytes)`` lies in one file-backed mapping."""
-        i = bisect.bisect_right(self.starts, ptr) - 1
-        return i >= 0 and ptr + nbytes <= self.ends[i]
+# FileMaps lives in sd_accel.pages (the export's fp32 conversion reads it too); imported above.
 
 
 class PageDropper:

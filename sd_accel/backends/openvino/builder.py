@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sd_accel.backends.base import Backend, BackendInfo
-from sd_accel.backends.openvino.quantize import SCOPES
+from sd_accel.backends.openvino.quantize import SCOPES, WEIGHTS_ONLY, compress_weights_openvino
 from sd_accel.backends.openvino.weight_map import MAP_FILE, patch, patched_model, write_map
 from sd_accel.core import EngineError, Progress, ShapeRanges
 from sd_accel.device import cpu_class, cpu_flags
@@ -151,6 +151,7 @@ class OpenVinoBackend(Backend):
     name = "openvino"
     torch_device = "cpu"
     int8_scopes = SCOPES  # widest first: the build falls back to the next when validation fails
+    int8_weights_only = WEIGHTS_ONLY  # (a transformer built in segments: sd_accel.build_segments)
     patches_weights = True  # engine.bin holds the MatMul / Conv weights the compiled blob reads
     weights_files = (WEIGHTS_FILE,)  # the same bytes in every profile of one weight set: stored once
 
@@ -190,7 +191,8 @@ class OpenVinoBackend(Backend):
     ) -> list[str]:
         """Convert, reshape, (quantize,) compile and export; returns the engine file names in
         ``out_dir``. ``calibration``: the feeds ``int8`` needs; ``int8_scope``: which convolutions
-        int8 keeps in float (``quantize.SCOPES``; None: the safest); both ignored otherwise."""
+        int8 keeps in float (``quantize.SCOPES``; None: the safest), or ``"weights"``: int8 weights
+        only, no calibration (``quantize.WEIGHTS_ONLY``); both ignored otherwise."""
         if precision not in self.precisions():
             why = self.missing(precision)
             raise EngineError(f"openvino backend builds {self.precisions()} here, not {precision!r}"
@@ -258,7 +260,9 @@ class OpenVinoBackend(Backend):
             have = [sorted(p.get_names()) for p in model.inputs]
             raise EngineError(f"{onnx_path.name} has no inputs {sorted(missing)}; its inputs are named {have}")
         model.reshape(_partial_shapes(shapes))
-        if precision == "int8":
+        if precision == "int8" and int8_scope == WEIGHTS_ONLY:
+            model = compress_weights_openvino(model, lambda f, m: progress(0.1 + 0.4 * f, m))
+        elif precision == "int8":
             from sd_accel.backends.openvino.quantize import quantize_openvino
 
             model = quantize_openvino(model, calibration, lambda f, m: progress(0.1 + 0.4 * f, m), int8_scope)
@@ -325,6 +329,10 @@ class OpenVinoBackend(Backend):
             fixed = {"graph": graph, "config": core_config(meta["precision"])}
             if meta.get("form") == "ir":  # (see build: compiled here, the weights mapped from engine.bin)
                 compiled = ov.Core().compile_model(str(engine_dir / _GRAPH_FILE), "CPU", core_config(meta["precision"]))
+                # compiling copied the weights into the plugin's buffers: the mapped engine.bin pages
+                # would stay resident beside them (a chained engine loads every segment before its
+                # first call: their sum)
+                release_file(engine_dir)
                 return OpenVinoRunner(compiled, shapes, mapped=engine_dir, **fixed)
             config = compile_config(meta["precision"])
             if meta.get("weights"):

@@ -18,7 +18,9 @@ from contextlib import nullcontext
 
 import torch
 
+from sd_accel.components.flux import segments
 from sd_accel.components.flux.export import export_patches
+from sd_accel.components.segments import Segment
 from sd_accel.components.spec import TensorSpec
 from sd_accel.components.t5 import text_range
 from sd_accel.components.transformer import TransformerSpec
@@ -108,3 +110,20 @@ class FluxTransformerSpec(TransformerSpec):
         if "guidance" in feed:
             feed["guidance"] = 1 + torch.rand(feed["guidance"].shape, generator=g) * 4
         return {k: v.to(device) for k, v in feed.items()}
+
+    # ---- segments (sd_accel.components.segments: a build that holds one segment at a time) ----
+
+    def segment_blocks(self) -> tuple[str, ...]:
+        return segments.BLOCK_LISTS
+
+    def segment_io(self, segment: Segment) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        return segments.segment_io(self, segment)
+
+    def segment_module(self, segment: Segment) -> torch.nn.Module:
+        return segments.FluxSegment(self.pipe.transformer, segment, self.guidance)
+
+    def segment_ranges(self, profile: Profile) -> dict[str, Range]:
+        return self.dim_ranges(profile)
+
+    def segment_dims(self, dims: dict[str, int]) -> dict[str, int]:
+        return dict(dims)

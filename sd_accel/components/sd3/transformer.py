@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from sd_accel.components.sd3 import segments
+from sd_accel.components.segments import Segment
 from sd_accel.components.spec import TensorSpec
 from sd_accel.components.t5 import text_range
 from sd_accel.components.transformer import TransformerSpec
@@ -84,3 +86,22 @@ class SD3TransformerSpec(TransformerSpec):
         g = torch.Generator("cpu").manual_seed(seed + 1)
         feed["timestep"] = torch.rand(feed["timestep"].shape, generator=g) * 1000
         return {k: v.to(device) for k, v in feed.items()}
+
+    # ---- segments (sd_accel.components.segments: a build that holds one segment at a time) ----
+
+    def segment_blocks(self) -> tuple[str, ...]:
+        return segments.BLOCK_LISTS
+
+    def segment_io(self, segment: Segment) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        return segments.segment_io(self, segment)
+
+    def segment_module(self, segment: Segment) -> torch.nn.Module:
+        return segments.SD3Segment(self.pipe.transformer, segment)
+
+    def segment_ranges(self, profile: Profile) -> dict[str, Range]:
+        ranges = self.dim_ranges(profile)
+        return {**ranges, "T": segments.token_range(ranges["H8"], ranges["W8"], int(self._cfg.patch_size))}
+
+    def segment_dims(self, dims: dict[str, int]) -> dict[str, int]:
+        patch = int(self._cfg.patch_size)
+        return {**dims, "T": (dims["H8"] // patch) * (dims["W8"] // patch)}

@@ -1,0 +1,156 @@
+"""A chain of engines standing as one: the engine of a transformer built in segments
+(``sd_accel.components.segments``). Each segment's engine lies in a folder of its own inside the
+chained engine's folder, built by the backend like any engine; ``segments.json`` says their order,
+files, shapes, and which tensors each takes and gives.
+
+:class:`ChainRunner` keeps the runner contract (``infer``, ``shapes``, ``close``), so validation,
+the cache record and the pipeline's swap take a chain as they take one engine. It runs the
+segments in turn, each fed the call's inputs and the tensors the segments before it gave.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sd_accel.core import EngineError, EngineFault, ShapeRanges, covers
+
+CHAIN_FILE = "segments.json"
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """One segment engine: its folder (relative to the chain's), files (relative to its folder),
+    shapes, the tensors it takes, its outputs, and the names they go on under (``gives``, in the
+    order of ``outputs``): an ONNX graph cannot name an output as it names an input, so a segment
+    whose ``hidden`` goes in and comes out changed calls the new one ``hidden_next``."""
+
+    folder: str
+    files: tuple[str, ...]
+    shapes: ShapeRanges
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    gives: tuple[str, ...]
+
+
+def write_chain(out_dir: Path, links: Sequence[ChainLink], layout: str) -> list[str]:
+    """Write ``segments.json`` into ``out_dir``; returns the chain's files relative to it (the
+    description first, then each segment's files)."""
+    data = {"layout": layout, "segments": [asdict(link) for link in links]}
+    (Path(out_dir) / CHAIN_FILE).write_text(json.dumps(data, indent=1))
+    return [CHAIN_FILE] + [f"{link.folder}/{name}" for link in links for name in link.files]
+
+
+def read_chain(engine_dir: Path) -> list[ChainLink]:
+    try:
+        data = json.loads((Path(engine_dir) / CHAIN_FILE).read_text())
+        return [ChainLink(d["folder"], tuple(d["files"]), _tuples(d["shapes"]), tuple(d["inputs"]), tuple(d["outputs"]),
+                          tuple(d["gives"]))
+                for d in data["segments"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineFault(f"the chained engine in {engine_dir} has an unreadable {CHAIN_FILE} ({exc}); "
+                          "delete it and build again") from exc
+
+
+def _tuples(shapes: dict) -> ShapeRanges:
+    return {name: tuple(tuple(int(d) for d in shape) for shape in bounds) for name, bounds in shapes.items()}  # type: ignore[misc]
+
+
+def is_chain(files: Sequence[str]) -> bool:
+    return CHAIN_FILE in files
+
+
+def load_engine(backend, engine_dir: Path, files: Sequence[str], shapes: ShapeRanges, streaming: bool = False):
+    """The runner of an engine: ``backend.load`` for one engine, a :class:`ChainRunner` of the
+    backend's runners for a chain (every segment loaded; each maps its own weights).
+
+    ``streaming``: a chain loads each segment when its turn comes and closes it after
+    (:class:`StreamingChainRunner`): one segment's weights in memory at a time, at the cost of a
+    load per segment per call. What a build's check against torch runs, so that an engine is
+    checked on a machine that holds only a part of it (FLUX.1 in fp32: 44 GB)."""
+    if not is_chain(files):
+        return backend.load(engine_dir, list(files), shapes)
+    links = read_chain(engine_dir)
+    if streaming:
+        return StreamingChainRunner(backend, Path(engine_dir), links, shapes)
+    runners: list = []
+    try:
+        for link in links:
+            runners.append(backend.load(Path(engine_dir) / link.folder, list(link.files), link.shapes))
+    except BaseException:
+        for runner in runners:
+            runner.close()
+        raise
+    return ChainRunner(runners, links, shapes)
+
+
+class ChainRunner:
+    """``infer(feed) -> outputs`` through the segment runners in turn. Feeds outside ``shapes``
+    (the whole engine's) are refused; the outputs are the last segment's (its runner's buffers:
+    clone what you keep, as for one engine)."""
+
+    def __init__(self, runners: Sequence, links: Sequence[ChainLink], shapes: ShapeRanges) -> None:
+        if len(runners) != len(links) or not runners:
+            raise EngineFault("a chained engine needs one runner per segment")
+        self.runners = list(runners)
+        self.links = list(links)
+        self.shapes = shapes
+
+    @property
+    def once_bytes(self) -> int:
+        """What the next call loads once whatever its shape: every segment's (validation's memory
+        estimate, :func:`sd_accel.validate.max_point_need`)."""
+        return sum(int(getattr(r, "once_bytes", 0) or 0) for r in self.runners)
+
+    @property
+    def per_shape_bytes(self) -> int:
+        return sum(int(getattr(r, "per_shape_bytes", 0) or 0) for r in self.runners)
+
+    def infer(self, feed: dict) -> dict:
+        if not covers(self.shapes, feed):
+            got = {k: tuple(v.shape) for k, v in feed.items()}
+            raise EngineError(f"engine does not cover shapes {got}; its ranges are {self.shapes}")
+        state = dict(feed)
+        out: dict = {}
+        for link, runner in zip(self.links, self.runners, strict=True):
+            out = runner.infer({name: state[name] for name in link.inputs})
+            state.update({given: out[name] for name, given in zip(link.outputs, link.gives, strict=True)})
+        return {name: out[name] for name in self.links[-1].outputs}
+
+    def close(self) -> None:
+        for runner in self.runners:
+            runner.close()
+
+
+class StreamingChainRunner:
+    """A chain run one segment at a time: each segment's runner loaded for its turn and closed
+    after it, its outputs copied out first (a runner's buffers go with it). See :func:`load_engine`."""
+
+    def __init__(self, backend, engine_dir: Path, links: Sequence[ChainLink], shapes: ShapeRanges) -> None:
+        if not links:
+            raise EngineFault("a chained engine needs at least one segment")
+        self.backend, self.engine_dir, self.links, self.shapes = backend, engine_dir, list(links), shapes
+
+    def infer(self, feed: dict) -> dict:
+        from sd_accel.pages import trim_heap
+
+        if not covers(self.shapes, feed):
+            got = {k: tuple(v.shape) for k, v in feed.items()}
+            raise EngineError(f"engine does not cover shapes {got}; its ranges are {self.shapes}")
+        state = dict(feed)
+        out: dict = {}
+        for link in self.links:
+            runner = self.backend.load(self.engine_dir / link.folder, list(link.files), link.shapes)
+            try:
+                out = {name: t.clone() for name, t in runner.infer({n: state[n] for n in link.inputs}).items()}
+            finally:
+                runner.close()
+                del runner
+                trim_heap()  # the segment's weights, freed by the runtime but kept by malloc
+            state.update({given: out[name] for name, given in zip(link.outputs, link.gives, strict=True)})
+        return {name: out[name] for name in self.links[-1].outputs}
+
+    def close(self) -> None:
+        return None
