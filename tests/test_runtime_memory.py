@@ -92,6 +92,26 @@ def test_anonymous_weights_are_spilled_and_compute_the_same(tmp_path):
     assert weights.park(module, tmp_path, "big") is spill  # parking again only pages out
 
 
+def test_weights_made_in_inference_mode_are_parked_and_still_compute(tmp_path):
+    """ComfyUI loads its models under ``torch.inference_mode``: their weights are inference tensors
+    (no edit counter, new data only as inference tensors). A real ComfyUI kept its UNet whole in
+    RAM beside the engines when parking them failed on that."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        module = Big()
+    x = torch.randn(3, 2048)
+    with torch.inference_mode():
+        ref = module(x)
+    size_kb = sum(p.numel() * p.element_size() for p in module.parameters()) // 1024
+    before = _status_kb("RssAnon")
+    spill = weights.park(module, tmp_path, "comfyui-like")
+    assert spill is not None and weights.parked(module) is spill
+    assert before - _status_kb("RssAnon") > 0.8 * size_kb
+    with torch.inference_mode():
+        _close(module(x), ref)
+    assert weights.park(module, tmp_path, "comfyui-like") is spill
+
+
 def test_a_parked_module_deep_copies_and_the_copy_owns_its_weights(tmp_path):
     """A once-accelerated pipeline copied for another use (the suite's ``fresh``) failed: a memory map
     cannot be copied. The copy holds its weights in ordinary memory and is not parked."""

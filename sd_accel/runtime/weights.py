@@ -99,7 +99,16 @@ def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 def _signature(module: torch.nn.Module) -> tuple:
     """Which tensors the module holds, where their data lives and their in-place edit counters."""
-    return tuple((id(t), t.data_ptr(), t._version) for t in _tensors(module))
+    return tuple((id(t), t.data_ptr(), _edits(t)) for t in _tensors(module))
+
+
+def _edits(t: torch.Tensor) -> int:
+    """The tensor's in-place edit counter; -1 for an inference tensor (ComfyUI loads its models
+    under ``torch.inference_mode``), which keeps none: its identity and data pointer say it."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def parked(module: torch.nn.Module) -> ParkedWeights | None:
@@ -279,7 +288,10 @@ def _spill(module: torch.nn.Module, tensors: list[torch.Tensor], anonymous: dict
             if start is None:
                 continue  # file-backed already: left where it is
             size = t.element_size()
-            t.data = torch.empty(0, dtype=t.dtype).set_(base, start // size + t.storage_offset(), t.shape, t.stride())
+            # an inference tensor (ComfyUI's weights) takes new data only as an inference tensor
+            with torch.inference_mode(t.is_inference()):
+                t.data = torch.empty(0, dtype=t.dtype).set_(base, start // size + t.storage_offset(), t.shape,
+                                                            t.stride())
     return path, mapping, total
 
 
