@@ -109,9 +109,7 @@ class ChainRunner:
         return sum(int(getattr(r, "per_shape_bytes", 0) or 0) for r in self.runners)
 
     def infer(self, feed: dict) -> dict:
-        if not covers(self.shapes, feed):
-            got = {k: tuple(v.shape) for k, v in feed.items()}
-            raise EngineError(f"engine does not cover shapes {got}; its ranges are {self.shapes}")
+        _check_covers(self.shapes, feed)
         state = dict(feed)
         out: dict = {}
         for link, runner in zip(self.links, self.runners, strict=True):
@@ -122,6 +120,13 @@ class ChainRunner:
     def close(self) -> None:
         for runner in self.runners:
             runner.close()
+
+
+def _check_covers(shapes: ShapeRanges, feed: dict) -> None:
+    """A chain, as any runner, refuses a feed outside its ranges rather than padding it."""
+    if not covers(shapes, feed):
+        got = {k: tuple(v.shape) for k, v in feed.items()}
+        raise EngineError(f"engine does not cover shapes {got}; its ranges are {shapes}")
 
 
 class StreamingChainRunner:
@@ -136,9 +141,7 @@ class StreamingChainRunner:
     def infer(self, feed: dict) -> dict:
         from sd_accel.pages import trim_heap
 
-        if not covers(self.shapes, feed):
-            got = {k: tuple(v.shape) for k, v in feed.items()}
-            raise EngineError(f"engine does not cover shapes {got}; its ranges are {self.shapes}")
+        _check_covers(self.shapes, feed)
         state = dict(feed)
         out: dict = {}
         for link in self.links:
