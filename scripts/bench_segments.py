@@ -7,8 +7,8 @@ safetensors (memory-mapped) as a user's pipeline is.
     python scripts/bench_segments.py build DIR ENGINES --mode whole|segments [--backend openvino]
         [--size 512] [--text 512] [--precision fp32] [--budget-mib 1024]
 
-``build`` prints one ``RESULT {json}`` line: peak RSS (ru_maxrss of this process), build seconds,
-the validation record, the engine key's layout. Run each build in a fresh process (ru_maxrss
+``build`` prints one ``RESULT {json}`` line: peak RSS (VmHWM of this process), build seconds,
+the validation record, the engine key's layout. Run each build in a fresh process (the peak
 only grows); ``prepare`` runs apart so that making the random weights is not counted.
 """
 
@@ -43,6 +43,15 @@ def prepare(folder: Path, double: int, single: int, heads: int | None = None) ->
     print("RESULT " + json.dumps({"params": params, "folder": str(folder)}))
 
 
+def _peak_bytes() -> int:
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a
+    build started by a big parent (a pytest worker) would report the parent's size."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def build(folder: Path, engines: Path, mode: str, backend: str, size: int, text: int, precision: str,
           budget_mib: float) -> None:
     os.environ["SD_ACCEL_SEGMENTS"] = "off" if mode == "whole" else str(budget_mib)
@@ -52,7 +61,7 @@ def build(folder: Path, engines: Path, mode: str, backend: str, size: int, text:
     from sd_accel.profiles import Profile
 
     pipe = load_pipeline(str(folder), torch_dtype=torch.bfloat16)
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    loaded = _peak_bytes()
     start = time.perf_counter()
 
     def stage(ev) -> None:  # where the memory goes: each stage with RSS now and the peak so far
@@ -64,7 +73,7 @@ def build(folder: Path, engines: Path, mode: str, backend: str, size: int, text:
                               backend=backend, precision=precision, components=["transformer"],
                               engine_dir=str(engines), progress=stage)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_bytes()
     params = sum(p.numel() for p in pipe.transformer.parameters())
     print("RESULT " + json.dumps({"mode": mode, "peak": peak, "loaded": loaded, "seconds": round(seconds, 1),
                                   "params": params, "layout": record.key.layout, "validation": record.validation,
