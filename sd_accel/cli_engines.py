@@ -114,8 +114,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
         base = profiles or [preset_profile(preset or default_preset(pipe.sd_accel_model.family))]
         preset, profiles = None, [replace(p, cfg=False) for p in base]
+    residual = "transformer_control" if getattr(pipe, "transformer", None) is not None else "unet_control"
     components = _components(args.components, engine_components(pipe) + (
-        ["controlnet", "unet_control"] if args.controlnet else []))
+        ["controlnet", residual] if args.controlnet else []))
     start = time.perf_counter()
     with _ctrl_c_cancels() as cancel:
         records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from sd_accel.components.flux.controlnet import flux_control_specs, is_flux_controlnet
 from sd_accel.components.levels import (
     LevelInputs,
     LevelInputsExport,
@@ -28,6 +29,7 @@ from sd_accel.components.levels import (
     _level_ranges,
     residual_layout,
 )
+from sd_accel.components.sd3.controlnet import is_sd3_controlnet, sd3_control_specs
 from sd_accel.components.spec import ComponentSpec, TensorSpec
 from sd_accel.components.unet import UNetSpec, export_latent_size, to_latent, vae_scale_factor
 from sd_accel.core import UnsupportedComponent
@@ -234,7 +236,8 @@ def control_key(index: int) -> str:
 
 def control_specs(pipe) -> dict[str, ComponentSpec]:
     """The specs a ControlNet pipeline adds to :func:`sd_accel.components.specs_for`'s: one per
-    ControlNet (:func:`control_key`) and the residual-taking UNet; a T2I-Adapter pipeline's
+    ControlNet (:func:`control_key`) and the residual-taking UNet (FLUX.1's: its nets and the
+    residual-taking transformer, :mod:`sd_accel.components.flux.controlnet`); a T2I-Adapter pipeline's
     feature-taking UNet (``unet_adapter``, :mod:`sd_accel.components.adapter`); empty for other
     pipelines. One that cannot be exported is left out (it runs in torch) with the reason in the log."""
     import logging
@@ -246,6 +249,10 @@ def control_specs(pipe) -> dict[str, ComponentSpec]:
     nets = controlnets_of(pipe)
     if not nets:
         return out
+    if is_flux_controlnet(nets[0]):  # FLUX.1's nets and residual-taking transformer
+        return {**out, **flux_control_specs(pipe, nets, control_key)}
+    if is_sd3_controlnet(nets[0]):  # SD3's
+        return {**out, **sd3_control_specs(pipe, nets, control_key)}
     for i, net in enumerate(nets):
         try:
             out[control_key(i)] = ControlNetSpec(pipe, net)

@@ -1,6 +1,7 @@
 """``load_controlnet``: a ControlNet from what users have, offline, and the pipeline that runs it.
 
-Sources: a diffusers folder (``config.json`` + weights), or a single file in the original layout
+Sources: a diffusers folder (``config.json`` + weights; FLUX.1's ``FluxControlNetModel`` and SD3's
+``SD3ControlNetModel`` too, as InstantX and the union nets are published), or a single file in the original layout
 (``control_model.*`` keys, or the same keys without the prefix, as the ControlNet 1.1 files and
 most SD 1.5 / SDXL ControlNets people download are); ``.safetensors``, and pickles (``.pth``,
 ``.ckpt``) only with ``allow_pickle=True``. A single file's config is the shipped one of its family
@@ -10,7 +11,7 @@ rule (:mod:`sd_accel.models.fit`); a WebUI-style ``.yaml`` beside the file may s
 ``global_average_pooling`` (the shuffle ControlNet).
 
 :func:`controlnet_pipeline` makes the ControlNet variant of a loaded pipeline (txt2img, img2img or
-inpaint; SD 1.x/2.x or SDXL) from its components, after :func:`check_family` has made sure each
+inpaint; SD 1.x/2.x, SDXL, SD3 or FLUX.1) from its components, after :func:`check_family` has made sure each
 net fits that pipeline's UNet.
 """
 
@@ -204,9 +205,15 @@ def load_controlnet(source: str | os.PathLike, *, pipe=None, torch_dtype: torch.
         cfg_file = folder / "config.json"
         if not cfg_file.exists():
             raise CheckpointError(f"{folder} is a folder without config.json: not a diffusers ControlNet folder")
-        if json.loads(cfg_file.read_text()).get("_class_name") != "ControlNetModel":
-            raise CheckpointError(f"{folder}/config.json is not a ControlNetModel's config")
-        net = ControlNetModel.from_pretrained(str(folder), local_files_only=True)
+        kind = json.loads(cfg_file.read_text()).get("_class_name")
+        if kind not in _FOLDER_CLASSES:
+            raise CheckpointError(f"{folder}/config.json is not the config of a ControlNet sd-accel loads "
+                                  f"({', '.join(_FOLDER_CLASSES)})")
+        net = (ControlNetModel if kind == "ControlNetModel" else _net_class(kind)).from_pretrained(
+            str(folder), local_files_only=True)
+    elif _transformer_family(pipe):
+        raise CheckpointError(f"{path} is a single file: {_TITLES[_transformer_family(pipe)]} ControlNets load "
+                              "from a diffusers folder (config.json and the weights), as their authors publish them")
     else:
         net = load_single_file_controlnet(path, pipe=pipe, allow_pickle=allow_pickle)
     if torch_dtype is not None:
@@ -217,8 +224,50 @@ def load_controlnet(source: str | os.PathLike, *, pipe=None, torch_dtype: torch.
     return net
 
 
+# a ControlNet folder's class -> the family it serves (None: the UNet families, told apart by shape)
+_FOLDER_CLASSES = {"ControlNetModel": None, "FluxControlNetModel": "flux", "SD3ControlNetModel": "sd3"}
+_TRANSFORMERS = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3"}
+_TITLES = {"flux": "FLUX.1", "sd3": "SD3 / SD3.5", None: "SD 1.x / SDXL"}
+
+
+def _net_class(kind: str):
+    import diffusers
+
+    return getattr(diffusers, kind)
+
+
+def _transformer_family(pipe) -> str | None:
+    """``flux`` or ``sd3`` for the transformer families' pipelines, None for the UNet ones."""
+    transformer = getattr(pipe, "transformer", None)
+    return _TRANSFORMERS.get(type(getattr(transformer, "torch_module", transformer)).__name__)
+
+
+def _is_flux(pipe) -> bool:
+    return _transformer_family(pipe) == "flux"
+
+
+def _check_transformer_net(net, pipe) -> None:
+    """A FLUX.1 / SD3 ControlNet for a transformer of its family and widths, nothing else."""
+    name = getattr(net, "sd_accel_source", "the ControlNet")
+    have, want = _FOLDER_CLASSES.get(type(net).__name__), _transformer_family(pipe)
+    if have != want:
+        raise InvalidValue(f"{name} is a {_TITLES[have]} ControlNet and the checkpoint is {_TITLES[want]}: use a "
+                           "ControlNet made for this model's family")
+    tcfg, ncfg = getattr(pipe.transformer, "torch_module", pipe.transformer).config, net.config
+    fields = ("in_channels", "joint_attention_dim", "pooled_projection_dim")
+    widths = [(f, ncfg.get(f), tcfg.get(f)) for f in fields if ncfg.get(f) not in (None, tcfg.get(f))]
+    if widths:
+        raise InvalidValue(f"{name} does not fit this {_TITLES[want]} transformer ("
+                           + ", ".join(f"{f} {a} vs {b}" for f, a, b in widths)
+                           + "): use a ControlNet made for this model")
+
+
 def check_family(net, pipe) -> None:
-    """Refuse a ControlNet that does not fit ``pipe``'s UNet, saying which family each is."""
+    """Refuse a ControlNet that does not fit ``pipe``'s UNet (FLUX.1: its transformer), saying
+    which family each is."""
+    if _transformer_family(pipe) or _FOLDER_CLASSES.get(type(net).__name__):
+        _check_transformer_net(net, pipe)
+        return
     unet = pipe.unet
     ucfg, ncfg = unet.config, net.config
     have, want = controlnet_family(ncfg), controlnet_family(ucfg)
@@ -242,7 +291,9 @@ _KINDS = ("txt2img", "img2img", "inpaint")
 
 def controlnet_pipeline(pipe, nets, kind: str = "txt2img"):
     """The ControlNet pipeline of ``kind`` built from ``pipe``'s components and ``nets`` (one
-    ``ControlNetModel`` or a list: several become a ``MultiControlNetModel``, their residuals summed)."""
+    ``ControlNetModel`` or a list: several become a ``MultiControlNetModel``, their residuals summed;
+    FLUX.1: ``FluxControlNetModel`` nets, a ``FluxControlNet*Pipeline``; SD3: ``SD3ControlNetModel``
+    nets, ``StableDiffusion3ControlNet(Inpainting)Pipeline``)."""
     import diffusers
     from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 
@@ -253,8 +304,16 @@ def controlnet_pipeline(pipe, nets, kind: str = "txt2img"):
         raise InvalidValue("no ControlNet given")
     for net in nets:
         check_family(net, pipe)
-    xl = "XL" if getattr(pipe, "text_encoder_2", None) is not None else ""
     suffix = {"txt2img": "", "img2img": "Img2Img", "inpaint": "Inpaint"}[kind]
+    if _is_flux(pipe):
+        return _transformer_pipeline(pipe, nets, getattr(diffusers, f"FluxControlNet{suffix}Pipeline"),
+                                     diffusers.FluxMultiControlNetModel)
+    if _transformer_family(pipe) == "sd3":
+        if kind == "img2img":
+            raise InvalidValue("diffusers has no SD3 ControlNet img2img pipeline: use txt2img or inpaint")
+        cls = getattr(diffusers, "StableDiffusion3ControlNet" + ("InpaintingPipeline" if suffix else "Pipeline"))
+        return _transformer_pipeline(pipe, nets, cls, diffusers.SD3MultiControlNetModel)
+    xl = "XL" if getattr(pipe, "text_encoder_2", None) is not None else ""
     cls = getattr(diffusers, f"StableDiffusion{xl}ControlNet{suffix}Pipeline")
     # An accelerated pipeline holds engine stand-ins: the new pipeline takes their torch modules
     # (diffusers would record the stand-in's class); accelerate() the new pipeline for engines.
@@ -262,6 +321,17 @@ def controlnet_pipeline(pipe, nets, kind: str = "txt2img"):
              if k not in ("safety_checker", "feature_extractor", "image_encoder", "controlnet")}
     extra = {} if xl else {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
     out = cls(**parts, controlnet=nets[0] if len(nets) == 1 else MultiControlNetModel(nets), **extra)
+    if hasattr(pipe, "sd_accel_model"):
+        out.sd_accel_model = pipe.sd_accel_model
+    return out
+
+
+def _transformer_pipeline(pipe, nets: list, cls, multi):
+    import inspect
+
+    wanted = set(inspect.signature(cls.__init__).parameters) - {"self", "controlnet"}
+    parts = {k: getattr(v, "torch_module", v) for k, v in pipe.components.items() if k in wanted}
+    out = cls(**parts, controlnet=nets[0] if len(nets) == 1 else multi(nets))
     if hasattr(pipe, "sd_accel_model"):
         out.sd_accel_model = pipe.sd_accel_model
     return out

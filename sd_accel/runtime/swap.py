@@ -78,13 +78,14 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
     from sd_accel.components import specs_for
     from sd_accel.components.adapter import ADAPTER_UNET
     from sd_accel.components.controlnet import CONTROL_UNET, control_specs
+    from sd_accel.components.flux.controlnet import CONTROL_TRANSFORMER
     from sd_accel.onnx.fingerprint import fingerprint
 
     unswap(pipe)
     specs = specs_for(pipe)
     # a ControlNet pipeline's: its ControlNets and the residual-taking UNet; a T2I-Adapter pipeline's UNet
     control = control_specs(pipe)
-    for unet_kind in (CONTROL_UNET, ADAPTER_UNET):
+    for unet_kind in (CONTROL_UNET, ADAPTER_UNET, CONTROL_TRANSFORMER):
         if unet_kind in control:
             specs[unet_kind] = control[unet_kind]
     if builder is not None:
@@ -99,7 +100,7 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
         if module is None:
             continue
         engines: dict[str, ComponentEngines] = {}
-        for component in (*components, CONTROL_UNET, ADAPTER_UNET) if slot == "unet" else components:
+        for component in _with_residual_kinds(slot, components):
             if component not in specs or (component in PIPELINE_ATTRIBUTES and specs[component].attribute != slot):
                 continue  # (SD3's t5 is text_encoder_3, not text_encoder_2)
             torch_module = specs[component].torch_module()
@@ -130,6 +131,16 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
     return found
 
 
+def _with_residual_kinds(slot: str, components: tuple[str, ...]) -> tuple[str, ...]:
+    """A slot's components and the kinds of its module that take a ControlNet's or an adapter's
+    residuals (their engines sit beside the plain ones in the same stand-in)."""
+    if slot == "unet":
+        return (*components, "unet_control", "unet_adapter")
+    if slot == "transformer":
+        return (*components, "transformer_control")
+    return components
+
+
 def _shared_engines(cache, backend, engines: dict[str, ComponentEngines], shared: dict[str, dict[str, str]],
                     fallback: bool, prefer_precision: str | None) -> dict[str, ComponentEngines]:
     """The WebUI's and ComfyUI's engines (``ldm_unet``, ``ldm_vae_*``, ``ldm_clip``, ``comfy_clip``)
@@ -155,8 +166,11 @@ def _swap_controlnets(pipe, control: dict, cache, backend, fallback: bool, prefe
     ``control`` (:func:`sd_accel.components.controlnet.control_specs`) that has engines (or all,
     with ``builder``); the counts by :func:`~sd_accel.components.controlnet.control_key`."""
     from sd_accel.components.controlnet import CONTROLNET
+    from sd_accel.components.flux.controlnet import is_flux_controlnet
+    from sd_accel.components.sd3.controlnet import is_sd3_controlnet
     from sd_accel.onnx.fingerprint import fingerprint
     from sd_accel.runtime.control import EngineControlNet
+    from sd_accel.runtime.transformer_control import EngineFluxControlNet, EngineSD3ControlNet
 
     found: dict[str, int] = {}
     wrappers = []
@@ -175,7 +189,9 @@ def _swap_controlnets(pipe, control: dict, cache, backend, fallback: bool, prefe
         found[key] = len(engines.handles)
         if not (engines.handles or builder is not None):
             continue
-        wrapper = EngineControlNet(net, {key: engines})
+        kind = (EngineFluxControlNet if is_flux_controlnet(net) else EngineSD3ControlNet if is_sd3_controlnet(net)
+                else EngineControlNet)
+        wrapper = kind(net, {key: engines})
         if engines.handles and park_weights:
             park(net, cache.root, key)
             wrapper.remember_weights()

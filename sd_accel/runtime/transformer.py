@@ -4,7 +4,8 @@ SD3.5's ``SD3Transformer2DModel``, FLUX.1's ``FluxTransformer2DModel``) and thei
 Same rules as the UNet's (:mod:`sd_accel.runtime.modules`): every call first checks the weights
 are those the engines were built from; a call with arguments the engine does not carry (a
 ControlNet's block samples, skip-layer guidance, attention kwargs other than a LoRA scale of 1)
-or a shape no engine covers runs torch, counted with its reason.
+or a shape no engine covers runs torch, counted with its reason. ControlNet samples (FLUX.1's, SD3's)
+go to the residual-taking engine (``transformer_control``) where there is one.
 """
 
 from __future__ import annotations
@@ -14,10 +15,16 @@ from typing import Any
 import torch
 
 from sd_accel.runtime.modules import EngineModule, _out
+from sd_accel.runtime.transformer_control import control_residuals, sd3_control_residuals
 
 # the keyword arguments each family's engine does not take (present and not None: torch runs the call)
 _NOT_IN_ENGINE = ("block_controlnet_hidden_states", "skip_layers", "controlnet_block_samples",
                   "controlnet_single_block_samples", "attention_mask", "encoder_attention_mask")
+NO_CONTROL_ENGINE = ("a ControlNet call and no residual-taking transformer engine for these weights: build one "
+                     "with the transformer_control component")
+# FLUX.1's ControlNet samples: the residual-taking engine's inputs (transformer_control), when it has one
+_FLUX_CONTROL = ("controlnet_block_samples", "controlnet_single_block_samples")
+_SD3_CONTROL = ("block_controlnet_hidden_states",)  # SD3's
 
 
 class EngineTransformer(EngineModule):
@@ -28,21 +35,31 @@ class EngineTransformer(EngineModule):
                 *args, **kwargs):
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-        engines = self.engines["transformer"]
-        reason = self.stale() or self._unsupported(args, kwargs)
+        control = self._control(kwargs)
+        engines = self.engines["transformer_control" if control else "transformer"]
+        reason = self.stale() or self._unsupported(args, kwargs, control)
+        if reason is None and control and not engines.handles and engines.builder is None:
+            reason = NO_CONTROL_ENGINE
         out = None
         if reason is not None:
             engines.torch_call(reason)
         else:
             try:
                 feed = self._feed(hidden_states, encoder_hidden_states, pooled_projections, timestep, kwargs)
+                if control and self.flux:
+                    feed.update(control_residuals(self.torch_module, kwargs.get("controlnet_block_samples"),
+                                                  kwargs.get("controlnet_single_block_samples"),
+                                                  bool(kwargs.get("controlnet_blocks_repeat")), hidden_states))
+                elif control:
+                    feed.update(sd3_control_residuals(self.torch_module, kwargs["block_controlnet_hidden_states"],
+                                                      hidden_states))
             except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
                 engines.torch_call(f"inputs the engine cannot take ({type(exc).__name__}: {exc})")
             else:
                 # the engines ComfyUI built from the same file (:mod:`sd_accel.models.source`) take
                 # what this module's own do not cover, counted as this module's
                 shared = self.shared.get("transformer")
-                if shared is not None and not engines.covering(feed) and shared.covering(feed):
+                if shared is not None and not control and not engines.covering(feed) and shared.covering(feed):
                     out = shared.run(feed, need=("latent",))
                 else:
                     out = engines.run(feed, need=("latent",))
@@ -56,10 +73,19 @@ class EngineTransformer(EngineModule):
     def flux(self) -> bool:
         return type(self.torch_module).__name__.startswith("Flux")
 
-    def _unsupported(self, args: tuple, kwargs: dict[str, Any]) -> str | None:
+    def _control(self, kwargs: dict[str, Any]) -> bool:
+        """A call with ControlNet samples, and engines that take them (``transformer_control``):
+        those serve it."""
+        return "transformer_control" in self.engines and any(kwargs.get(k) is not None for k in self._control_args)
+
+    @property
+    def _control_args(self) -> tuple[str, ...]:
+        return _FLUX_CONTROL if self.flux else _SD3_CONTROL
+
+    def _unsupported(self, args: tuple, kwargs: dict[str, Any], control: bool = False) -> str | None:
         if args:
             return "positional arguments beyond (hidden_states, encoder_hidden_states, pooled_projections, timestep)"
-        used = [k for k in _NOT_IN_ENGINE if kwargs.get(k) is not None]
+        used = [k for k in _NOT_IN_ENGINE if kwargs.get(k) is not None and not (control and k in self._control_args)]
         if used:
             return f"arguments the engine was not built for: {', '.join(used)}"
         jak = kwargs.get("joint_attention_kwargs") or {}
