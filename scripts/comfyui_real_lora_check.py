@@ -200,6 +200,10 @@ def main() -> None:
             print(f"{eng} vs ComfyUI PyTorch {ref}: max |diff| {diff:.2e} (|latent| max {b.abs().max().item():.2f})")
         for x, y in (("t_07", "t_base"), ("t_10", "t_base"), ("t_10", "t_07")):
             print(f"LoRA effect {x} vs {y}: max |diff| {(latent(x) - latent(y)).abs().max().item():.2e}")
+        status = Path(f"/proc/{server.pid}/status")
+        if status.is_file():
+            hwm = next((ln for ln in status.read_text().splitlines() if ln.startswith("VmHWM")), "")
+            print(f"ComfyUI's peak RSS: {int(hwm.split()[1]) / 2**20:.2f} GiB" if hwm else "")
         calls = {p: ls for p, ls in lines.items() if p.startswith("e_")}
         ok = all(any("1 on engines, 0 in PyTorch" in ln or "2 on engines, 0 in PyTorch" in ln for ln in ls)
                  for ls in calls.values())
