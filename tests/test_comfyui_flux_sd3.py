@@ -5,13 +5,16 @@ layouts, padding, rotary ids and sigma -> timestep mappings, tiny widths, random
 What is checked: ComfyUI's model and diffusers' transformer made from its weights agree on the
 same call (the timestep and guidance scales, odd latent sides); the build node makes a
 ``transformer`` engine keyed by the model file; a sampling run on the applied MODEL counts its
-calls on the engine and gives ComfyUI's own latent within tolerance; LoRA patches, ControlNet
-residuals, transformer patches, Kontext references and sizes no profile covers run in PyTorch with
-the reason in the run's log line."""
+calls on the engine and gives ComfyUI's own latent within tolerance; LoRA patches (a LoraLoader
+after the apply node, several at once) refit the engine with ComfyUI's own patched weights at
+each strength; ControlNet residuals, transformer patches, Kontext references, LoRA patches the
+engine cannot take and sizes no profile covers run in PyTorch with the reason in the run's log
+line."""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -129,23 +132,6 @@ def test_transformer_runs_on_its_engine_and_matches_comfyui(tmp_path, caplog, fa
     line = _report(caplog)
     assert "0 on engines, 2 in PyTorch" in line, line
 
-    # a LoRA on the MODEL: not refitted on these engines yet
-    patched = applied.clone()
-    key = next(k for k, v in patched.model.state_dict().items() if k.startswith("diffusion_model.") and v.ndim == 2)
-    from comfy.weight_adapter import LoRAAdapter
-
-    w = patched.model.state_dict()[key]
-    g = torch.Generator().manual_seed(3)  # (random factors: a uniform shift would vanish in the layer norms)
-    patched.add_patches({key: LoRAAdapter(set(), (torch.randn(w.shape[0], 1, generator=g) * 0.3,
-                                                  torch.randn(1, w.shape[1], generator=g) * 0.3,
-                                                  torch.tensor(1.0), None, None, None))}, 1.0)
-    lora = comfy.sample_dit(patched, positive, negative)
-    line = _report(caplog)
-    assert "LoRA on FLUX/SD3 engines not supported yet" in line and "0 on engines" in line, line
-    assert (lora - want).abs().max() > 1e-4  # the LoRA did change the result (PyTorch ran it)
-    patched.model.current_weight_patches_uuid = None  # (the stub's unpatch: the base weights back)
-    patched.unpatch_model()
-
     # a transformer patch (a block replacement, as other packs add them): PyTorch, named
     blocked = applied.clone()
     blocked.model_options["transformer_options"].setdefault("patches_replace", {})["dit"] = {
@@ -153,6 +139,87 @@ def test_transformer_runs_on_its_engine_and_matches_comfyui(tmp_path, caplog, fa
     comfy.sample_dit(blocked, positive, negative)
     line = _report(caplog)
     assert "transformer patches (dit:" in line and "0 on engines" in line, line
+
+
+def _lora(model, seed: int, rank: int = 2) -> dict:
+    """A LoRA's patches as ComfyUI's loader makes them (key -> LoRAAdapter) on the attention q/k/v
+    (FLUX: fused, split into to_q/to_k/to_v on the engine), projections and first MLP layers."""
+    from comfy.weight_adapter import LoRAAdapter
+
+    g = torch.Generator().manual_seed(seed)  # (random factors: a uniform shift would vanish in the layer norms)
+    patches = {}
+    for key, w in model.model.state_dict().items():
+        if key.startswith("diffusion_model.") and w.ndim == 2 and key.endswith(
+                ("qkv.weight", "proj.weight", "linear1.weight", "img_mlp.0.weight", "fc1.weight")):
+            patches[key] = LoRAAdapter(set(), (torch.randn(w.shape[0], rank, generator=g) * 0.3,
+                                               torch.randn(rank, w.shape[1], generator=g) * 0.3,
+                                               torch.tensor(float(rank)), None, None, None))
+    return patches
+
+
+def _with_loras(model, loras: list[tuple[dict, float]]):
+    out = model.clone()  # (LoraLoaderModelOnly: a clone with the patches added, one loader per LoRA)
+    for patches, strength in loras:
+        out = out.clone()
+        out.add_patches(patches, strength)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "loader"), [("flux-dev", "diffusion_models"), ("sd3", "checkpoints")])
+def test_lora_refits_the_transformer_engine_at_each_strength(tmp_path, caplog, monkeypatch, family, loader):
+    """Two LoRAs after the apply node, the first at 0.7, 1.0 and 0.7 again: each run on the
+    engine refitted with ComfyUI's patched weights, equal to ComfyUI's own PyTorch run with the
+    same patches (never the previous strength's weights); without the LoRAs the base engine."""
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, family, loader)
+    positive, negative = _conds(family)
+    applied, _ = comfy.node("SdAccelBuildEngines").build(model, **BUILD)
+    base = comfy.sample_dit(applied, positive, negative)
+    assert "2 on engines, 0 in PyTorch" in _report(caplog)
+    a, b = _lora(model, seed=3), _lora(model, seed=4)
+    seen = []
+    for strength in (0.7, 1.0, 0.7):
+        caplog.clear()
+        want = comfy.sample_dit(_with_loras(model, [(a, strength), (b, 0.5)]), positive, negative)  # ComfyUI's own
+        got = comfy.sample_dit(_with_loras(applied, [(a, strength), (b, 0.5)]), positive, negative)
+        line = _report(caplog)
+        assert "2 on engines, 0 in PyTorch" in line and "transformer on engine" in line, line
+        assert re.search(rf"refitted for .*:{strength:g}\b", line) and ":0.5" in line, line
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        assert (got - base).abs().max() > 1e-2  # the LoRAs are in the result
+        seen.append(got)
+    assert (seen[1] - seen[0]).abs().max() > 1e-2  # 1.0 is not 0.7's weights
+    torch.testing.assert_close(seen[2], seen[0], atol=2e-3, rtol=2e-3)  # 0.7 again: 0.7's, refitted again
+
+    # without the LoRAs: the base engine, the LoRAs taken out of the weights
+    caplog.clear()
+    torch.testing.assert_close(comfy.sample_dit(applied, positive, negative), base, atol=2e-3, rtol=2e-3)
+    assert "2 on engines, 0 in PyTorch" in _report(caplog)
+
+    # a patch the conversion does not carry onto the engine: PyTorch, said in the run's line
+    from sd_accel.comfyui import flux, mmdit
+
+    fam = flux if family.startswith("flux") else mmdit
+    monkeypatch.setattr(fam, "unmapped", lambda dm, keys: sorted(keys)[:1])
+    want = comfy.sample_dit(_with_loras(model, [(a, 1.0)]), positive, negative)
+    got = comfy.sample_dit(_with_loras(applied, [(a, 1.0)]), positive, negative)
+    line = _report(caplog)
+    assert "LoRA patches of weights the" in line and "0 on engines, 2 in PyTorch" in line, line
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_every_patched_weight_maps_onto_the_engine(tmp_path):
+    """The converters carry every 2-D weight a LoRA loader patches (FLUX's fused q/k/v split into
+    rows of to_q / to_k / to_v); a key that is not a weight of the model is named."""
+    from sd_accel.comfyui import flux, mmdit
+
+    comfy = harness.start(tmp_path)
+    for family, mod in (("flux-dev", flux), ("sd3", mmdit)):
+        dm = _load(comfy, tmp_path, family, "checkpoints").model.diffusion_model
+        keys = ["diffusion_model." + k for k in dm.state_dict()]
+        assert mod.unmapped(dm, keys) == []
+        assert mod.unmapped(dm, ["diffusion_model.no_such.weight"]) == ["diffusion_model.no_such.weight"]
 
 
 @pytest.mark.slow

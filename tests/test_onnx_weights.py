@@ -136,3 +136,33 @@ def test_keep_onnx_true_keeps_the_whole_export_and_bad_values_are_refused(tmp_pa
     assert not is_slim(folder) and validate_artifact(folder) is None
     with pytest.raises(InvalidValue, match="keep_onnx='yes'"):
         build_engines(pipe, components=["vae_decoder"], engine_dir=tmp_path, progress=False, keep_onnx="yes")
+
+
+def test_constant_nodes_kept_outside_the_graph_survive_slimming(tmp_path):
+    """A wide model's Constant nodes (FLUX.1's norm constants at width 3072) hold their values in
+    the data file too: slimming keeps them inline, so write_full (a refit, another profile's
+    build) gives a complete model."""
+    from onnx import TensorProto, helper
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    c = numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(8, 8), "c")
+    w = numpy_helper.from_array(np.ones((8, 8), np.float32), "lin.weight")
+    graph = helper.make_graph([helper.make_node("Constant", [], ["cv"], value=c),
+                               helper.make_node("Add", ["x", "cv"], ["y0"]),
+                               helper.make_node("Mul", ["y0", "lin.weight"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 8])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True, location="model.onnx.data",
+                    size_threshold=0, convert_attribute=True)
+    attr = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node[0].attribute[0].t
+    assert attr.data_location == onnx.TensorProto.EXTERNAL  # (as the exporter leaves them)
+
+    slim_export(folder, {"lin.weight": (8, 8)})
+    assert is_slim(folder) and not (folder / "model.onnx.data").exists()
+    path, written = write_full(folder, {"lin.weight": torch.full((8, 8), 2.0)}, tmp_path / "again")
+    assert written == 1
+    x = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    got = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, (x + numpy_helper.to_array(c)) * 2, rtol=1e-6)

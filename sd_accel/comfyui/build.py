@@ -117,35 +117,20 @@ def unet_part(patcher, st: State, control: bool = False) -> Part:
 def transformer_part(patcher, st: State) -> Part:
     """The build's part for a FLUX.1 / SD3 MODEL: diffusers' transformer with its weights, keyed by
     the checkpoint file."""
-    from sd_accel.comfyui.transformer import (
-        COMPONENT,
-        LORA_REASON,
-        FluxFromComfy,
-        StableDiffusion3FromComfy,
-        family_module,
-        lora_patched,
-    )
+    from sd_accel.comfyui.transformer import COMPONENT, family_module, lora_patched, spec_for
 
     model = patcher.model
     dm = model.diffusion_model
     fam = family_module(dm)
     if lora_patched(patcher):
-        raise InvalidValue(f"this MODEL carries LoRA patches ({LORA_REASON}): build from the MODEL before the LoRA "
-                           "loaders")
+        raise InvalidValue("this FLUX/SD3 MODEL carries LoRA patches: build from the MODEL before the LoRA loaders "
+                           "(a LoRA after the apply node then refits the transformer engine)")
     if getattr(model, "current_weight_patches_uuid", None) is not None:
         _load_for_export(patcher)  # another MODEL's LoRA may still be in the weights: ComfyUI takes it out
     ckpt = checkpoint_id(model, st.engine_dir(), fingerprint_of=dm)
     transformer = fam.to_diffusers(dm)
-    if fam.FAMILY == "flux":
-        from sd_accel.components.flux import FluxTransformerSpec
-
-        spec = FluxTransformerSpec(FluxFromComfy(transformer))
-        family = "flux-dev" if dm.params.guidance_embed else "flux-schnell"
-    else:
-        from sd_accel.components.sd3 import SD3TransformerSpec
-
-        spec = SD3TransformerSpec(StableDiffusion3FromComfy(transformer))
-        family = "sd3"
+    spec = spec_for(transformer)
+    family = ("flux-dev" if dm.params.guidance_embed else "flux-schnell") if fam.FAMILY == "flux" else "sd3"
     return Part(COMPONENT, spec, ckpt, transformer, {"family": family, "loras": [], "lora_text": "no LoRA",
                                                      "model_type": getattr(getattr(model, "model_type", None), "name", None)})
 

@@ -91,6 +91,26 @@ def to_diffusers(module: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+def unmapped(module: torch.nn.Module, keys: list[str]) -> list[str]:
+    """Of ``keys`` (the MODEL's patched weights, ``diffusion_model.``-prefixed), those no weight of
+    diffusers' transformer is made from (a refit would leave them out): sorted."""
+    from sd_accel.core import CheckpointError
+    from sd_accel.models.flux import to_diffusers as convert
+
+    state = dict(module.state_dict(keep_vars=True))
+    hidden = int(module.params.hidden_size)
+    bad = set()
+    for key in keys:
+        name = key.removeprefix("diffusion_model.")
+        t = state.get(name)
+        try:
+            if t is None or not convert(name, torch.empty(t.shape, device="meta"), hidden):
+                bad.add(key)
+        except CheckpointError:
+            bad.add(key)
+    return sorted(bad)
+
+
 def patchify(x: torch.Tensor, patch: int = 2) -> tuple[torch.Tensor, int, int]:
     """(B, C, H, W) -> tokens (B, rows * cols, C * patch^2), as ComfyUI's ``process_img`` (padded
     circularly to whole patches); returns the token grid's rows and cols too."""

@@ -64,6 +64,19 @@ def to_diffusers(module: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+def unmapped(module: torch.nn.Module, keys: list[str]) -> list[str]:
+    """Of ``keys`` (the MODEL's patched weights, ``diffusion_model.``-prefixed), those diffusers'
+    converter leaves out (a refit would not carry them): sorted. (The converter on meta tensors:
+    it pops each key it takes.)"""
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    names = module.state_dict(keep_vars=True)
+    state = {k: torch.empty(v.shape, device="meta") for k, v in names.items()}
+    convert_sd3_transformer_checkpoint_to_diffusers(state)  # (pops what it converts)
+    return sorted(k for k in keys if k.removeprefix("diffusion_model.") in state
+                  or k.removeprefix("diffusion_model.") not in names)
+
+
 def feed(module: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
          y: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
     """The engine's inputs for ComfyUI's MMDiT call ``(x, timesteps, context, y)``."""

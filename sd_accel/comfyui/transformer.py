@@ -10,13 +10,29 @@ and one hook for both families keeps one path. The wrapper does what ``BaseModel
 does around the diffusion model, with the model's own functions (``model_sampling.calculate_input``,
 ``timestep``, ``process_timestep``, ``calculate_denoised``), and feeds the engine in between;
 anything it does not cover goes to ``executor(...)``, ComfyUI's own path, counted with the reason:
-LoRA patches (not refitted on these engines yet), ControlNet residuals, transformer patches and
-block replacements, other packs' DIFFUSION_MODEL / APPLY_MODEL wrappers, arguments the engine
-lacks (Kontext's reference latents, attention masks), a shape no profile covers.
+ControlNet residuals, transformer patches and block replacements, other packs' DIFFUSION_MODEL /
+APPLY_MODEL wrappers, arguments the engine lacks (Kontext's reference latents, attention masks),
+a shape no profile covers, LoRA patches that cannot be put on the engine.
+
+LoRA (a LoraLoader / LoraLoaderModelOnly after the apply node, any strengths, several at once):
+as for the UNet (:mod:`.unet`), ComfyUI writes its patches into the weights when it loads the
+model for sampling and records ``current_weight_patches_uuid``; at the run's first call the
+checkpoint's transformer engine is refitted to those weights (each profile at its own first
+call: :class:`~sd_accel.refit.PendingRefit`). The weights are ComfyUI's own patched ones, put in
+the engine's names by the same conversion the engine was built from (:func:`.flux.to_diffusers`:
+BFL names -> diffusers', fused q/k/v and single-block ``linear1`` rows split; :func:`.mmdit.to_diffusers`:
+diffusers' SD3 single-file converter), validated against diffusers' transformer holding them.
+A strength change or another LoRA is another patch set (:func:`.identity.patch_set`): another
+refit, the previous one released first (:data:`KEPT_REFITS`); a MODEL without LoRA uses the base
+engine; the engine never serves weights other than the ones the run's MODEL computes with (the
+patch set's uuid must be the one in the weights). Patches of weights the conversion does not
+carry, a partially loaded model (low VRAM: patches computed on the fly), hook LoRAs, INT8
+engines, and a refit that fails or would not fit in memory: the run in PyTorch, with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,14 +40,16 @@ from typing import Any
 import torch
 
 from sd_accel.comfyui import host
+from sd_accel.comfyui.identity import describe, patch_set
 from sd_accel.comfyui.patches import callable_name, patch_names
 from sd_accel.comfyui.state import State, state
+from sd_accel.webui.lora import Refit
 
 log = logging.getLogger("sd_accel")
 
 KEY = "sd_accel"
 COMPONENT = "transformer"
-LORA_REASON = "LoRA on FLUX/SD3 engines not supported yet"
+KEPT_REFITS = 1  # patch sets kept refitted per checkpoint (each a patched copy of the engines in memory)
 # the extra conds each family's engine takes (any other, not None, sends the call to PyTorch)
 _TAKEN = {"flux": ("y", "guidance"), "sd3": ("y",)}
 
@@ -59,6 +77,10 @@ class Run:
     engines: Any = None
     reason: str | None = None  # the whole run in PyTorch, and why
     torch_calls: dict[str, int] = field(default_factory=dict)
+    loras: tuple = ()  # the MODEL's patch set (:func:`.identity.patch_set`)
+    base: Any = None  # the checkpoint's engines (what a refit starts from)
+    refit: bool = False  # the engines come from a refit at the first call
+    line: Any = None  # () -> what a refit did, for the report
 
 
 class EngineTransformer:
@@ -87,9 +109,6 @@ class EngineTransformer:
         if objects:
             run.reason = f"object patches of the diffusion model ({', '.join(objects)}) are not in the engine"
             return run
-        if lora_patched(patcher):
-            run.reason = LORA_REASON
-            return run
         dm = getattr(getattr(patcher, "model", None), "diffusion_model", None)
         fam = family_module(dm)
         odd = fam.unsupported(dm) if fam is not None else "the MODEL's diffusion model is no longer a FLUX.1 / MMDiT"
@@ -97,12 +116,72 @@ class EngineTransformer:
             run.reason = odd
             return run
         engines, why = self.state.engines_or_reason(self.ckpt_id, COMPONENT)
-        run.engines = engines
         if engines is None:
             run.reason = why or f"no transformer engine for {self.ckpt_id} here (build one with the sd-accel Build Engines node)"
-        else:
-            engines.reset_stats()
+            return run
+        engines.reset_stats()
+        run.engines = run.base = engines
+        patches = getattr(patcher, "patches", {}) or {}
+        run.loras = patch_set(patches)
+        if not run.loras:
+            return run
+        run.engines = None  # never the base weights: the refit's engines, or PyTorch
+        bad = fam.unmapped(dm, [_key(k) for k in patches if _key(k).startswith("diffusion_model.")])
+        if bad:
+            run.reason = (f"LoRA patches of weights the {self.family} engine does not take ({', '.join(bad[:3])}"
+                          f"{', ...' if len(bad) > 3 else ''})")
+            return run
+        from sd_accel.refit import needs_rebuild
+
+        usable = [h for h in engines.handles if h.broken is None]
+        refused = [w for w in map(needs_rebuild, usable) if w]
+        if len(refused) == len(usable):
+            run.reason = "; ".join(refused) or "the checkpoint's engines are set aside"
+            return run
+        run.refit = True
         return run
+
+    def _refit(self, run: Run, dm: torch.nn.Module) -> None:
+        """The checkpoint's engines refitted to the patched weights now in ``dm`` (once per set)."""
+        run.refit = False
+        patcher = run.patcher
+        model = getattr(patcher, "model", None)
+        if getattr(model, "model_lowvram", False):
+            run.reason = ("ComfyUI loaded the transformer partially (low VRAM): its LoRA patches are computed on "
+                          "the fly, not in the weights")
+            return
+        if not _carries(patcher):
+            run.reason = "the transformer's weights do not carry this MODEL's patches now"
+            return
+        from sd_accel.webui.lora import lora_text
+
+        st = self.state
+        where = (self.ckpt_id, st.backend_name(), str(st.cache().root), st.generation, COMPONENT)
+        refit = st.refits.get(where, run.loras)
+        made_now = refit is None
+        if refit is None:
+            failed = st.refits.failed(where, run.loras)
+            if failed:
+                run.reason = failed
+                return
+            log.warning("sd-accel: refitting the %s transformer engine of %s for %s at its first call (ComfyUI's "
+                        "patched weights on the engine without a rebuild)", self.family, self.ckpt_id,
+                        describe(run.loras))
+            st.refits.make_room(where, KEPT_REFITS)  # the set that gives way leaves memory first
+            try:
+                refit = refit_for(run.base, run.loras, dm, patcher)
+            except Exception as exc:  # noqa: BLE001  (never stop the image: PyTorch, said once)
+                why = f"the transformer refit for {lora_text(run.loras)} failed: {type(exc).__name__}: {exc}"
+                st.refits.fail(where, run.loras, why)
+                log.warning("sd-accel: %s", why)
+                run.reason = why
+                return
+            st.refits.add(where, refit, KEPT_REFITS)
+        else:
+            refit.bind(dm, None, _check(patcher), _context)  # a profile first called now refits from this run's weights
+        run.line = lambda: refit.line(made_now).replace("UNet on engine", f"{self.family} transformer on engine", 1)
+        run.engines = refit.engines
+        run.engines.reset_stats()
 
     def outer_sample(self, executor, *args, **kwargs):
         """``outer_sample`` wrapper: the run's engines (or why none), sample, report."""
@@ -147,6 +226,11 @@ class EngineTransformer:
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
         reason = run.reason or self._reason(base, c_concat, control, options, kwargs)
+        if reason is None and run.refit:
+            self._refit(run, base.diffusion_model)
+            reason = run.reason
+        if reason is None and run.engines is None:
+            reason = f"no transformer engine for {self.ckpt_id} with {describe(run.loras)}"
         if reason is not None:
             self._count_torch(run, reason)
             return in_torch()
@@ -170,8 +254,9 @@ class EngineTransformer:
         return sampling.calculate_denoised(sigma, model_output, x)
 
     def _count_torch(self, run: Run, reason: str) -> None:
-        if run.engines is not None:
-            run.engines.torch_call(reason)
+        counter = run.engines if run.engines is not None else run.base
+        if counter is not None:
+            counter.torch_call(reason)
             return
         if reason not in run.torch_calls:
             self.state.say_once(f"the {self.family} transformer runs in PyTorch: {reason}")
@@ -181,17 +266,85 @@ class EngineTransformer:
         """``sd-accel: transformer calls this run: N on engines, M in PyTorch (k x why; ...)``."""
         on = off = 0
         reasons: dict[str, int] = {}
-        if run.engines is not None:
-            stats = run.engines.stats
-            on, off = stats.engine_calls, stats.torch_calls
-            reasons.update(stats.fallbacks)
+        for engines in {id(e): e for e in (run.base, run.engines) if e is not None}.values():
+            stats = engines.stats
+            on, off = on + stats.engine_calls, off + stats.torch_calls
+            for why, n in stats.fallbacks.items():
+                reasons[why] = reasons.get(why, 0) + n
         for why, n in run.torch_calls.items():
             reasons[why] = reasons.get(why, 0) + n
             off += n
         line = f"sd-accel: {self.family} transformer calls this run: {on} on engines, {off} in PyTorch"
         if reasons:
             line += " (" + "; ".join(f"{n}x {why}" for why, n in reasons.items()) + ")"
+        if run.line:
+            line += f"\nsd-accel: {run.line()}"
         return line
+
+
+def _key(k) -> str:
+    return str(k if isinstance(k, str) else k[0])
+
+
+def _carries(patcher) -> bool:
+    model = getattr(patcher, "model", None)
+    return getattr(model, "current_weight_patches_uuid", None) == getattr(patcher, "patches_uuid", None)
+
+
+def _check(patcher):
+    """A refit's ``merge``: ComfyUI wrote this MODEL's patches into the weights (None), or why not."""
+    return lambda: None if _carries(patcher) else "the transformer's weights do not carry this MODEL's patches now"
+
+
+@contextlib.contextmanager
+def _context():
+    """A refit inside a sampling run: autograd mode back (ComfyUI samples in inference mode)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def spec_for(transformer: torch.nn.Module):
+    """The engine spec of diffusers' transformer made from ComfyUI's (:func:`.flux.to_diffusers`,
+    :func:`.mmdit.to_diffusers`)."""
+    if type(transformer).__name__.startswith("Flux"):
+        from sd_accel.components.flux import FluxTransformerSpec
+
+        return FluxTransformerSpec(FluxFromComfy(transformer))
+    from sd_accel.components.sd3 import SD3TransformerSpec
+
+    return SD3TransformerSpec(StableDiffusion3FromComfy(transformer))
+
+
+class TransformerRefit(Refit):
+    """One patch set's refitted transformer engines; each refitted at its first call from the
+    ComfyUI transformer bound last (its patched weights, converted as the engine was built)."""
+
+    def make(self, handle):
+        from sd_accel.core import EngineError
+        from sd_accel.onnx.weights import effective_weights
+        from sd_accel.refit import refit_engine
+        from sd_accel.webui.lora import lora_text
+
+        dm, _, check, context = self.source
+        with context():
+            why = check() if check is not None else None
+            if why:
+                raise EngineError(why)
+            transformer = family_module(dm).to_diffusers(dm)
+            log.info("sd-accel: refitting %s for %s", handle.name, lora_text(self.loras))
+            return refit_engine(handle, effective_weights(transformer), spec_for(transformer), lambda f, m: None)
+
+
+def refit_for(base, loras, dm: torch.nn.Module, patcher) -> TransformerRefit:
+    """The engines ``base`` (the checkpoint's transformer engines; INT8 ones left out) to be
+    refitted to ``dm``'s weights (ComfyUI's, carrying ``loras``), each at its first call."""
+    from sd_accel.refit import needs_rebuild, pending_component
+
+    refittable = base.subset(lambda h: h.broken is None and needs_rebuild(h) is None)
+    refit = TransformerRefit(None, loras, tuple(h.name for h in refittable.handles))
+    refit.bind(dm, None, _check(patcher), _context)
+    refit.engines = pending_component(refittable, refit.make)
+    return refit
 
 
 def lora_patched(patcher) -> bool:

@@ -28,7 +28,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from sd_accel.core import EngineError, peft_layer
+from sd_accel.core import EngineError, InvalidValue, peft_layer
 from sd_accel.onnx.optimize import _MIN_EXTERNAL_BYTES, DATA_SUFFIX, _read_external, append_tensor
 
 log = logging.getLogger("sd_accel")
@@ -223,6 +223,11 @@ def slim_export(folder: Path, torch_shapes: dict[str, tuple[int, ...]], model_fi
     model = onnx.load(str(path), load_external_data=False)
     targets = initializer_map(model, torch_shapes)
     graph = model.graph
+    for t in _attribute_tensors(graph):  # Constant nodes' values (a wide model's norm constants): inline too
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            t.raw_data = _read_external(t, folder.resolve())
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
     kept, slim = [], []
     for init in graph.initializer:
         target = targets.get(init.name)
@@ -299,8 +304,29 @@ def write_full(folder: Path, weights: dict[str, torch.Tensor], dest: Path, model
                 continue
             append_tensor(out, init, blob, data_name)
             del blob
+        for t in _attribute_tensors(graph):  # Constant nodes' values kept out of the graph: along too
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                try:
+                    blob = _read_external(t, folder.resolve())
+                except (OSError, InvalidValue) as exc:
+                    raise EngineError(f"the export in {folder} lost the value of a constant ({exc}): an older "
+                                      "sd-accel kept its graph only without it; delete that export folder and "
+                                      "build the engines again") from exc
+                append_tensor(out, t, blob, data_name)
     onnx.save_model(model, str(dest / model_file))
     return dest / model_file, written
+
+
+def _attribute_tensors(graph: onnx.GraphProto):
+    """The tensors held by the nodes' attributes (Constant values), subgraphs' initializers too."""
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from sub.initializer
+                yield from _attribute_tensors(sub)
 
 
 def onnx_values(folder: Path, weights: dict[str, torch.Tensor], model_file: str = "model.onnx"
