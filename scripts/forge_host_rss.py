@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfyui_host_rss import Sampler, log_since, reset_peak, vm_kib  # noqa: E402
-from comfyui_workflows import mean_abs_diff, psnr, sampler_s_per_it  # noqa: E402
+from comfyui_workflows import _TQDM, mean_abs_diff, psnr  # noqa: E402
 
 FLAGS = ["--always-cpu", "--skip-torch-cuda-test", "--skip-version-check", "--skip-python-version-check",
          "--no-download-sd-model", "--nowebui", "--api"]
@@ -59,6 +59,18 @@ def job_calls(text: str) -> list[dict]:
     """sd-accel's per-job summary lines in a slice of Forge's log."""
     return [{"component": m.group(1), "engines": int(m.group(2)), "pytorch": int(m.group(3)),
              "note": m.group(4).strip()} for m in _CALLS.finditer(text)]
+
+
+def sampler_s_per_it(text: str) -> float:
+    """The sampler's own s/it: its last finished progress bar in ``text`` (Forge also draws a
+    "Total progress" bar, of the whole job, on the same lines: left out)."""
+    parts = re.split(r"[\r\n]|\x1b\[A", text)
+    done = [m for part in parts if "Total progress" not in part for m in _TQDM.finditer(part)
+            if m.group(1) == m.group(2) and m.group(2) != "0"]
+    if not done:
+        return float("nan")
+    value = float(done[-1].group(3))
+    return value if done[-1].group(4) == "s/it" else 1.0 / value
 
 
 def request(url: str, body: dict | None = None, method: str | None = None, timeout: float = 3600) -> dict:
@@ -198,7 +210,7 @@ def run_mode(args, mode: str, root: Path) -> dict:
             images = answer.get("images") or []
             if images:
                 (root / name).write_bytes(base64.b64decode(images[0]))
-            out["runs"].append({"run": tag, "seconds": seconds, "s_per_it": sampler_s_per_it(str(log), mark),
+            out["runs"].append({"run": tag, "seconds": seconds, "s_per_it": sampler_s_per_it(text),
                                 "peak_so_far_gib": vm_kib(forge.pid, "VmHWM") / 2**20,
                                 "rss_after_gib": vm_kib(forge.pid, "VmRSS") / 2**20,
                                 "calls": job_calls(text), "image": name if images else None,

@@ -47,3 +47,12 @@ def test_txt2img_body_carries_the_lora_tag_and_forges_controlnet_unit():
     unit = body["alwayson_scripts"]["ControlNet"]["args"][0]
     assert unit["model"] == "cn-random-sd15 [0d46e21c]" and unit["module"] == "None" and unit["image"] == "aGk="
     assert "alwayson_scripts" not in rss.txt2img_body(_args())
+
+
+def test_s_per_it_is_the_samplers_bar_not_forges_total_progress():
+    text = (" 50%|##   | 2/4 [01:11<01:08, 34.16s/it]\n"
+            "Total progress: 100%|####| 4/4 [02:57<00:00, 36.52s/it]\x1b[A100%|####| 4/4 [03:18<00:00, 49.56s/it]\n"
+            "Total progress: 100%|####| 4/4 [02:57<00:00, 44.48s/it]\n")
+    assert rss.sampler_s_per_it(text) == 49.56
+    assert rss.sampler_s_per_it("100%|####| 4/4 [00:02<00:00,  2.00it/s]") == 0.5
+    assert rss.sampler_s_per_it("nothing") != rss.sampler_s_per_it("nothing")  # nan
