@@ -56,6 +56,7 @@ class Job:
     notes: list[str] = field(default_factory=list)
     used: set = field(default_factory=set)  # weights ids whose engines served this job
     lora_line: Any = None  # () -> which LoRAs the UNet's engine carries (a refit), for the report
+    parked: Any = None  # Forge: the torch UNet whose weights this job parked (released at its end)
 
 
 class Controller:

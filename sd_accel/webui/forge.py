@@ -231,4 +231,38 @@ def patch_for_sampling(p, ctl: Controller | None = None) -> bool:
     unet.add_object_patch(OBJECT_PATCH, EngineDiffusionModel(torch_unet, engines, resolve, base, control))
     p.sd_model.forge_objects.unet = unet
     ctl.job.used.add(wid)
+    _park(ctl, torch_unet)
     return True
+
+
+def _park(ctl: Controller, torch_unet: torch.nn.Module) -> None:
+    """Park the torch UNet's weights (:func:`sd_accel.runtime.weights.park`) while engines serve
+    the job; :func:`release_parked` hands back what the job paged in at its end.
+
+    Forge keeps its whole UNet in RAM (SD 1.5 on the CPU: 3.2 GiB of fp32, converted from the
+    checkpoint at load, so anonymous memory) whatever computes the calls. In a real Forge the
+    engine runs peaked above Forge's own PyTorch runs with the engines' weights beside it. Parked,
+    it is written once to a memory-mapped spill file under the engine folder and costs resident
+    memory only where something reads it: Forge's LoRA merge (it edits the LoRA's layers in place
+    or swaps them: private copies), a refit's check against torch, a call in PyTorch."""
+    from sd_accel.runtime.weights import park
+
+    try:
+        park(torch_unet, ctl.cache().root, "Forge UNet")
+    except Exception as exc:  # noqa: BLE001  (never stop the image: the weights stay in RAM)
+        ctl.say_once(f"the UNet's torch weights stay in RAM beside the engines: {type(exc).__name__}: {exc}")
+        return
+    ctl.job.parked = torch_unet
+
+
+def release_parked(ctl: Controller | None = None) -> int:
+    """At a job's end: hand back the pages of the parked torch UNet that the job read (a LoRA
+    merge, a refit, a PyTorch call); bytes advised."""
+    ctl = ctl or controller()
+    unet = getattr(ctl.job, "parked", None)
+    if unet is None:
+        return 0
+    from sd_accel.runtime.weights import release
+
+    ctl.job.parked = None
+    return release(unet)
