@@ -2,9 +2,10 @@
 """Peak RSS, s/it and images of a real Stable Diffusion WebUI Forge: txt2img in Forge's own
 PyTorch and on sd-accel's engines (issue 46, "measured in a real Forge").
 
-Given a Forge folder (sd-accel's ``extension/`` linked into its ``extensions/``) and its Python:
+Given a Forge folder (sd-accel's ``extension/`` linked into its ``extensions/``) and its Python
+(run the script with that Python too: the PSNR needs Pillow, which Forge has):
 
-    flock /work/bigmem.lock python scripts/forge_host_rss.py --forge /work/forge/webui \
+    flock /work/bigmem.lock /work/forge/venv/bin/python scripts/forge_host_rss.py --forge /work/forge/webui \
         --python /work/forge/venv/bin/python --lora random-lora --controlnet cn-random-sd15 \
         --hint /work/forge/hint.png --engine-dir /work/forge/engines --out /work/forge/out
 
@@ -235,7 +236,7 @@ def compare(root: Path, modes: dict) -> list[dict]:
     try:
         from PIL import Image
     except ImportError:
-        return []
+        return [{"psnr": "not computed: Pillow is missing here (run this script with Forge's Python)"}]
     rows = []
     for mode in ("engines", "engines-cached"):
         for e in modes.get(mode, {}).get("runs", []):
