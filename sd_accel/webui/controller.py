@@ -285,7 +285,9 @@ class Controller:
             else:
                 refit.bind(unet, spec, merge)  # a profile first called in this job refits from this UNet
             refit.engines.set_fallback(self.fallback())
-            if component == COMPONENT and (self.job.lora_line is None or made_now):
+            # the job's line names the engine that carries the LoRAs: the residual-taking one's
+            # too (a job whose calls all had ControlNet residuals refits only that one)
+            if self.job.lora_line is None or made_now:
                 self.job.lora_line = lambda: refit.line(made_now)
             return refit.engines, None
 

@@ -102,7 +102,20 @@ class EngineDiffusionModel(ProxyModule):
     def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options=None, **kwargs):
         options = transformer_options if transformer_options is not None else {}
         reason = _torch_reason(options, kwargs)
-        engines = self._engines() if reason is None else (self.engines or self.__dict__["_base"])
+        feed = None
+        if reason is None and control is not None:
+            # the residual-taking engines first: the plain UNet's (a LoRA refit of them) serve no
+            # ControlNet call, so they are not resolved for one (a real Forge refitted both)
+            residual_engines, why = self._control_engines()
+            if residual_engines is not None:
+                feed, why = control_feed(control, _control_inputs(self.torch_unet))
+            reason = None if feed is not None else f"ControlNet residuals: {why}"
+        if feed is not None:
+            engines = residual_engines
+        elif reason is None:
+            engines = self._engines()
+        else:
+            engines = self.engines or self.__dict__["_base"]
         if engines is None:
             engines = self.__dict__["_base"]
             reason = reason or self.__dict__["_why"] or "no engine for these weights"
@@ -115,12 +128,6 @@ class EngineDiffusionModel(ProxyModule):
                                    y=None if y is None else y[part], control=sliced_control(control, part),
                                    transformer_options=options, **kwargs)
 
-        feed = None
-        if reason is None and control is not None:
-            residual_engines, why = self._control_engines()
-            if residual_engines is not None:
-                feed, why = control_feed(control, _control_inputs(self.torch_unet))
-            reason = None if feed is not None else f"ControlNet residuals: {why}"
         if reason is not None:
             if engines is not None:
                 engines.torch_call(reason)
