@@ -10,7 +10,8 @@ What the faces (CLI, panel and app, serve, bench, the WebUI adapter) may use, ch
   (``cache.intermediates``);
 - the WebUI adapter besides: it builds from the WebUI's own LDM modules, not a diffusers
   pipeline, so it uses their specs (``components.ldm_*``), the runtime's public entry
-  (``runtime``, ``runtime.modules.ProxyModule``), the refit (``refit``, ``onnx.weights``) and
+  (``runtime``, ``runtime.modules.ProxyModule``), the parking of the host's torch UNet while
+  engines serve (``runtime.weights``: Forge keeps it in RAM), the refit (``refit``, ``onnx.weights``) and
   the ONNX helpers its weights ids and exports need (``onnx.fingerprint``, ``onnx.export``);
 - ``sd-accel bench`` (the quick check) besides: ``paths`` (its engine folder).
 

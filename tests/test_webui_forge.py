@@ -234,3 +234,27 @@ def test_always_cpu_forge_gets_no_tensorrt_advice(tmp_path, monkeypatch):
     monkeypatch.setattr(forge_args.args, "always_cpu", True)
     text = status_markdown()
     assert "tensorrt-cu" not in text and "This WebUI computes on the CPU" in text and "OpenVINO" in text
+
+
+def test_forge_parks_the_torch_unet_while_engines_serve(tmp_path):
+    """Forge keeps its whole torch UNet in RAM whatever computes the calls: in a real Forge (SD 1.5,
+    CPU) the engine runs peaked above Forge's own PyTorch runs. While engines serve a job its
+    weights are parked (memory-mapped, resident only where read) and the job's end hands back what
+    it read; the values never change, so a later PyTorch job computes exactly what it did."""
+    webui = harness.start(tmp_path, forge=True, options={"sd_accel_backend": "onnxruntime"})
+    from sd_accel.runtime.weights import parked
+    from sd_accel.webui.controller import controller
+    from sd_accel.webui.jobs import build_for_checkpoint
+
+    build_for_checkpoint(profile=DYNAMIC)
+    unet = webui.shared.sd_model.forge_objects.unet.model.diffusion_model
+    webui.shared.opts.data["sd_accel_forge_enabled"] = False
+    reference = webui.txt2img(prompt="a cat", steps=2).samples
+    assert parked(unet) is None  # a job in PyTorch parks nothing
+    webui.shared.opts.data["sd_accel_forge_enabled"] = True
+    got = webui.txt2img(prompt="a cat", steps=2).samples
+    assert _job_counts()[1] == 0 and _job_counts()[0] > 0
+    assert parked(unet) is not None and controller().job.parked is None  # released at the job's end
+    torch.testing.assert_close(got, reference, atol=2e-3, rtol=2e-3)
+    webui.shared.opts.data["sd_accel_forge_enabled"] = False
+    torch.testing.assert_close(webui.txt2img(prompt="a cat", steps=2).samples, reference, atol=0, rtol=0)

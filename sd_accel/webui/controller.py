@@ -56,6 +56,7 @@ class Job:
     notes: list[str] = field(default_factory=list)
     used: set = field(default_factory=set)  # weights ids whose engines served this job
     lora_line: Any = None  # () -> which LoRAs the UNet's engine carries (a refit), for the report
+    parked: Any = None  # Forge: the torch UNet whose weights this job parked (released at its end)
 
 
 class Controller:
@@ -284,7 +285,9 @@ class Controller:
             else:
                 refit.bind(unet, spec, merge)  # a profile first called in this job refits from this UNet
             refit.engines.set_fallback(self.fallback())
-            if component == COMPONENT and (self.job.lora_line is None or made_now):
+            # the job's line names the engine that carries the LoRAs: the residual-taking one's
+            # too (a job whose calls all had ControlNet residuals refits only that one)
+            if self.job.lora_line is None or made_now:
                 self.job.lora_line = lambda: refit.line(made_now)
             return refit.engines, None
 

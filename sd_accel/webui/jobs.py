@@ -82,8 +82,14 @@ def before_sampling(p, **kwargs: Any) -> None:
 
 @never_raise
 def job_finished(p) -> None:
-    """``Script.postprocess``: one console line on where the UNet calls went."""
-    controller().job_finished()
+    """``Script.postprocess``: one console line on where the UNet calls went; on Forge, the
+    parked torch UNet's pages that the job read are handed back."""
+    ctl = controller()
+    ctl.job_finished()
+    if ctl.job.parked is not None:
+        from sd_accel.webui.forge import release_parked
+
+        release_parked(ctl)
 
 
 # --------------------------------------------------------------------------- builds
