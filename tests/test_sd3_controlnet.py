@@ -87,7 +87,7 @@ def test_sd3_pipeline_kinds_and_families():
     assert type(pipe).__name__ == "StableDiffusion3ControlNetPipeline"
     with pytest.raises(InvalidValue, match="no SD3 ControlNet img2img"):
         with_controlnets(load_pipeline("builtin:tiny-sd3"), [pipe.controlnet], kind="img2img")
-    with pytest.raises(InvalidValue, match="is a SD3 / SD3.5 ControlNet and the checkpoint is FLUX.1"):
+    with pytest.raises(InvalidValue, match="is an SD3 / SD3.5 ControlNet and the checkpoint is FLUX.1"):
         with_controlnets(load_pipeline("builtin:tiny-flux"), [pipe.controlnet])
 
 

@@ -251,8 +251,9 @@ def _check_transformer_net(net, pipe) -> None:
     name = getattr(net, "sd_accel_source", "the ControlNet")
     have, want = _FOLDER_CLASSES.get(type(net).__name__), _transformer_family(pipe)
     if have != want:
-        raise InvalidValue(f"{name} is a {_TITLES[have]} ControlNet and the checkpoint is {_TITLES[want]}: use a "
-                           "ControlNet made for this model's family")
+        article = "an" if _TITLES[have].startswith("S") else "a"
+        raise InvalidValue(f"{name} is {article} {_TITLES[have]} ControlNet and the checkpoint is {_TITLES[want]}: "
+                           "use a ControlNet made for this model's family")
     tcfg, ncfg = getattr(pipe.transformer, "torch_module", pipe.transformer).config, net.config
     fields = ("in_channels", "joint_attention_dim", "pooled_projection_dim")
     widths = [(f, ncfg.get(f), tcfg.get(f)) for f in fields if ncfg.get(f) not in (None, tcfg.get(f))]
