@@ -131,7 +131,15 @@ def _with_controlnets(pipe, args: argparse.Namespace):
     except OSError as exc:
         raise InvalidValue(f"--control-image: {exc}") from exc
     pipe = with_controlnets(pipe, args.controlnet, allow_pickle=args.allow_pickle)
-    return pipe, control_arguments(hints, scales)
+    extra = control_arguments(hints, scales)
+    if getattr(pipe, "transformer", None) is not None:  # FLUX.1 / SD3 pipelines name the hint control_image
+        extra["control_image"] = extra.pop("image")
+    modes = args.control_mode or []
+    if modes:  # a union net's control type (FLUX.1's ControlNet-Union: canny, tile, depth ...)
+        if len(modes) != n or getattr(pipe, "transformer", None) is None:
+            raise InvalidValue("--control-mode: one per --controlnet, for FLUX.1 union ControlNets")
+        extra["control_mode"] = modes[0] if n == 1 else list(modes)
+    return pipe, extra
 
 
 def _component_use(pipe) -> dict[str, str]:
@@ -195,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the hint image of each --controlnet, in order")
     gen.add_argument("--control-scale", action="append", type=float, default=None, metavar="S",
                      help="each --controlnet's conditioning scale (default 1.0)")
+    gen.add_argument("--control-mode", action="append", type=int, default=None, metavar="N",
+                     help="each --controlnet's control type, for FLUX.1 union ControlNets (their model card lists them)")
     gen.add_argument("--control-preprocess", action="append", choices=("none", "canny"), default=None,
                      help="make each hint from its image: canny (built in, no weights) or none (default)")
     gen.add_argument("--out", type=Path, default=Path("outputs/sd-accel.png"))

@@ -196,3 +196,30 @@ def test_a_lora_on_the_transformer_is_refitted_into_the_residual_taking_engine(t
     counts = stats(pipe)
     assert counts["transformer_control"]["engine_calls"] == 4 and counts["transformer_control"]["torch_calls"] == 0
     assert np.abs(got - expected).max() < 2e-3
+
+
+def test_cli_builds_and_generates_with_a_flux_union_controlnet_folder(tmp_path, capsys):
+    """``sd-accel build --controlnet FOLDER`` builds the net's and the residual-taking transformer's
+    engines; ``generate --controlnet FOLDER --control-mode N`` runs both on them (in-process)."""
+    import json
+
+    from sd_accel.cli import main
+
+    _net(load_pipeline("builtin:tiny-flux").transformer, 0, modes=3).save_pretrained(tmp_path / "union")
+    CONTROL.save(tmp_path / "hint.png")
+    engines = str(tmp_path / "engines")
+
+    def cli(*args: str) -> dict:
+        assert main([*args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    common = ["--model", "builtin:tiny-flux", "--controlnet", str(tmp_path / "union"), "--backend", "onnxruntime",
+              "--engine-dir", engines]
+    built = cli("build", *common, "--components", "controlnet,transformer_control", "--height", "64",
+                "--width", "64", "--text", "512", "--static")
+    assert sorted(e["component"] for e in built["engines"]) == ["controlnet", "transformer_control"]
+    report = cli("generate", *common, "--control-image", str(tmp_path / "hint.png"), "--control-mode", "2",
+                 "--control-scale", "0.8", "--steps", "2", "--size", "64x64", "--engines", "on",
+                 "--out", str(tmp_path / "img.png"))
+    assert report["components"]["controlnet"] == "engine" and report["components"]["transformer_control"] == "engine"
+    assert (tmp_path / "img.png").is_file()
