@@ -240,7 +240,7 @@ def test_flux_calls_the_engine_does_not_take_run_in_pytorch(tmp_path, caplog):
 
     comfy.sample_dit(applied, dict(positive, control=Control()), dict(negative, control=Control()))
     line = _report(caplog)
-    assert "ControlNet residuals on FLUX/SD3 engines are not supported yet" in line and "0 on engines" in line, line
+    assert "no residual-taking transformer engine" in line and "0 on engines" in line, line
 
     ref = [torch.randn(1, 16, 8, 8)]
     comfy.sample_dit(applied, dict(positive, reference_latents=ref), dict(negative, reference_latents=ref))
@@ -296,3 +296,46 @@ def test_comfyuis_flux_engine_serves_load_pipeline_of_the_same_file(tmp_path, ca
     off = ref("a cat", height=64, width=64, num_inference_steps=2, max_sequence_length=16,
               generator=torch.Generator().manual_seed(0), output_type="latent").images
     torch.testing.assert_close(on, off, atol=2e-3, rtol=2e-3)
+
+
+class _Residuals:
+    """ComfyUI's ControlNet object as the sampler asks it (``get_control``): random residuals for
+    some double and single blocks, a None and a short one among them, as ControlNets give them."""
+
+    previous_controlnet = None
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def get_control(self, x, sigma, cond, batch):
+        g = torch.Generator().manual_seed(self.seed + int(float(sigma.flatten()[0]) * 1000))
+        tokens = ((x.shape[-2] + 1) // 2) * ((x.shape[-1] + 1) // 2)
+
+        def r(n: int) -> torch.Tensor:
+            return torch.randn(x.shape[0], n, 64, generator=g) * 0.5
+
+        return {"input": [r(tokens), None], "output": [r(tokens - 3)]}
+
+
+@pytest.mark.slow
+def test_flux_controlnet_residuals_run_on_the_residual_taking_engine(tmp_path, caplog):
+    """ComfyUI's ControlNet residuals on FLUX.1 (the ``control`` dict its ControlNet nodes make):
+    the Build node's ``unet_control`` makes ``transformer_control``; a run with residuals runs on it
+    and gives ComfyUI's own latent; a run without them stays on the plain engine."""
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, "flux-schnell", "checkpoints")
+    positive, negative = _conds("flux-schnell")
+    pos, neg = dict(positive, control=_Residuals(1)), dict(negative, control=_Residuals(2))
+    want = comfy.sample_dit(model, pos, neg)  # ComfyUI's own path
+    plain = comfy.sample_dit(model, positive, negative)
+    assert (want - plain).abs().max() > 1e-2  # the residuals change the latent
+
+    applied, report = comfy.node("SdAccelBuildEngines").build(model, **dict(BUILD, components="unet+unet_control"))
+    assert "transformer_control" in report, report
+    got = comfy.sample_dit(applied, pos, neg)
+    line = _report(caplog)
+    assert "2 on engines, 0 in PyTorch" in line, line
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    got = comfy.sample_dit(applied, positive, negative)
+    assert "2 on engines, 0 in PyTorch" in _report(caplog)
+    torch.testing.assert_close(got, plain, atol=2e-3, rtol=2e-3)

@@ -114,10 +114,10 @@ def unet_part(patcher, st: State, control: bool = False) -> Part:
     return Part("unet_control" if control else "unet", spec, unet_weights_id(ckpt, loras), unet, facts)
 
 
-def transformer_part(patcher, st: State) -> Part:
+def transformer_part(patcher, st: State, control: bool = False) -> Part:
     """The build's part for a FLUX.1 / SD3 MODEL: diffusers' transformer with its weights, keyed by
-    the checkpoint file."""
-    from sd_accel.comfyui.transformer import COMPONENT, family_module, lora_patched, spec_for
+    the checkpoint file; ``control``: FLUX.1's taking ControlNet residuals (``transformer_control``)."""
+    from sd_accel.comfyui.transformer import COMPONENT, CONTROL, family_module, lora_patched, spec_for
 
     model = patcher.model
     dm = model.diffusion_model
@@ -129,9 +129,9 @@ def transformer_part(patcher, st: State) -> Part:
         _load_for_export(patcher)  # another MODEL's LoRA may still be in the weights: ComfyUI takes it out
     ckpt = checkpoint_id(model, st.engine_dir(), fingerprint_of=dm)
     transformer = fam.to_diffusers(dm)
-    spec = spec_for(transformer)
+    spec = spec_for(transformer, control)
     family = ("flux-dev" if dm.params.guidance_embed else "flux-schnell") if fam.FAMILY == "flux" else "sd3"
-    return Part(COMPONENT, spec, ckpt, transformer, {"family": family, "loras": [], "lora_text": "no LoRA",
+    return Part(CONTROL if control else COMPONENT, spec, ckpt, transformer, {"family": family, "loras": [], "lora_text": "no LoRA",
                                                      "model_type": getattr(getattr(model, "model_type", None), "name", None)})
 
 
@@ -229,10 +229,11 @@ def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile
         if "unet_control" in components:
             if model is None:
                 raise InvalidValue("components include unet_control: connect a MODEL")
-            if dit:
-                raise InvalidValue("unet_control is the SD 1.x/2.x/XL UNet taking ControlNet residuals: FLUX/SD3 "
-                                   "transformers have none yet (their ControlNet calls run in PyTorch)")
-            parts.append(unet_part(model, st, control=True))
+            if dit and transformer.family_module(model.model.diffusion_model).FAMILY != "flux":
+                raise InvalidValue("unet_control for an SD3 MODEL: its residual-taking transformer is not built "
+                                   "here yet (its ControlNet calls run in PyTorch); FLUX.1's is")
+            # FLUX.1: the transformer taking ControlNet residuals (transformer_control)
+            parts.append(transformer_part(model, st, control=True) if dit else unet_part(model, st, control=True))
         if "clip" in components:
             if clip is None:
                 raise InvalidValue("components include clip: connect a CLIP")

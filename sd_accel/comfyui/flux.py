@@ -169,3 +169,29 @@ def call_reason(module: torch.nn.Module, guidance, kwargs: dict, options: dict) 
     if options.get("rope_options") is not None:
         return "rope_options (rotary scaling) are not in the engine"
     return None
+
+
+def control_feed(module: torch.nn.Module, control: dict, tokens: int, batch: int) -> dict[str, torch.Tensor]:
+    """The residual-taking engine's inputs (``transformer_control``: ``block_{i}``, ``single_{i}``,
+    :mod:`sd_accel.components.flux.controlnet`) for ComfyUI's ControlNet ``control`` dict: double
+    block i adds ``control["input"][i]`` to the image tokens, single block i ``control["output"][i]``
+    (``Flux.forward_orig``); a block none reaches, or a shorter residual's missing tokens, adds zeros.
+    Raises ValueError for a residual the engine cannot take (another width, more tokens, another batch)."""
+    width = module.hidden_size
+    zeros = torch.zeros(batch, tokens, width)
+    out: dict[str, torch.Tensor] = {}
+    for key, name, count in (("input", "block", len(module.double_blocks)), ("output", "single", len(module.single_blocks))):
+        adds = control.get(key) or []
+        for i in range(count):
+            add = adds[i] if i < len(adds) else None
+            if add is None:
+                out[f"{name}_{i}"] = zeros
+                continue
+            if add.ndim != 3 or add.shape[0] != batch or add.shape[1] > tokens or add.shape[2] != width:
+                raise ValueError(f"ControlNet residual {key}[{i}] of shape {tuple(add.shape)} for {batch} x {tokens} "
+                                 f"image tokens of width {width}")
+            add = add.float()
+            if add.shape[1] < tokens:  # (ComfyUI adds it to the first tokens only)
+                add = torch.cat([add, zeros[:, add.shape[1]:]], dim=1)
+            out[f"{name}_{i}"] = add.contiguous()
+    return out

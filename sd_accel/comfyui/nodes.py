@@ -80,9 +80,10 @@ class SdAccelApplyEngines:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
     CATEGORY = CATEGORY
-    DESCRIPTION = ("UNet calls on sd-accel engines (LoRA loaders after this node refit them; ControlNet residuals go "
-                   "to the residual-taking engine, built with unet_control); calls no engine covers and other "
-                   "patches run in PyTorch, counted and said once.")
+    DESCRIPTION = ("UNet (and FLUX.1 / SD3 transformer) calls on sd-accel engines (LoRA loaders after this node "
+                   "refit them; ControlNet residuals go to the residual-taking engine, built with unet_control: "
+                   "SD 1.x/2.x/XL and FLUX.1); calls no engine covers and other patches run in PyTorch, counted and "
+                   "said once.")
 
     def apply(self, model):
         from sd_accel.comfyui.unet import apply_engines

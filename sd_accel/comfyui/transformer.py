@@ -10,7 +10,8 @@ and one hook for both families keeps one path. The wrapper does what ``BaseModel
 does around the diffusion model, with the model's own functions (``model_sampling.calculate_input``,
 ``timestep``, ``process_timestep``, ``calculate_denoised``), and feeds the engine in between;
 anything it does not cover goes to ``executor(...)``, ComfyUI's own path, counted with the reason:
-ControlNet residuals, transformer patches and block replacements, other packs' DIFFUSION_MODEL /
+ControlNet residuals on SD3 or with LoRA patches (FLUX.1's otherwise go to the residual-taking
+engine, ``transformer_control``: :func:`.flux.control_feed`), transformer patches and block replacements, other packs' DIFFUSION_MODEL /
 APPLY_MODEL wrappers, arguments the engine lacks (Kontext's reference latents, attention masks),
 a shape no profile covers, LoRA patches that cannot be put on the engine.
 
@@ -49,6 +50,7 @@ log = logging.getLogger("sd_accel")
 
 KEY = "sd_accel"
 COMPONENT = "transformer"
+CONTROL = "transformer_control"  # FLUX.1's transformer taking ControlNet residuals (ComfyUI's ControlNet nodes)
 KEPT_REFITS = 1  # patch sets kept refitted per checkpoint (each a patched copy of the engines in memory)
 # the extra conds each family's engine takes (any other, not None, sends the call to PyTorch)
 _TAKEN = {"flux": ("y", "guidance"), "sd3": ("y",)}
@@ -79,6 +81,8 @@ class Run:
     torch_calls: dict[str, int] = field(default_factory=dict)
     loras: tuple = ()  # the MODEL's patch set (:func:`.identity.patch_set`)
     base: Any = None  # the checkpoint's engines (what a refit starts from)
+    control: Any = None  # the residual-taking engines (FLUX.1 ControlNet calls), or None
+    control_why: str | None = None  # why there are none
     refit: bool = False  # the engines come from a refit at the first call
     line: Any = None  # () -> what a refit did, for the report
 
@@ -121,6 +125,10 @@ class EngineTransformer:
             return run
         engines.reset_stats()
         run.engines = run.base = engines
+        if self.family == "flux":
+            run.control, run.control_why = self.state.engines_or_reason(self.ckpt_id, CONTROL)
+            if run.control is not None:
+                run.control.reset_stats()
         patches = getattr(patcher, "patches", {}) or {}
         run.loras = patch_set(patches)
         if not run.loras:
@@ -195,6 +203,17 @@ class EngineTransformer:
             log.info("%s", self.last_report)
             self.run = None
 
+    def _control_reason(self, run: Run) -> str | None:
+        """Why a ControlNet call cannot run on the residual-taking engine, or None."""
+        if self.family != "flux":
+            return "ControlNet residuals on SD3 engines are not supported yet"
+        if run.loras:
+            return "ControlNet residuals with LoRA patches on FLUX engines are not supported yet"
+        if run.control is None:
+            return run.control_why or (f"no residual-taking transformer engine for {self.ckpt_id}: build one with the "
+                                       "sd-accel Build Engines node (components with unet_control)")
+        return None
+
     def _reason(self, base, c_concat, control, options: dict, kwargs: dict) -> str | None:
         patches = patch_names(options, "patches") + patch_names(options, "patches_replace")
         if patches:
@@ -205,8 +224,6 @@ class EngineTransformer:
                          for k, fns in (wrappers.get(kind) or {}).items() if k != KEY for f in fns or []})
         if others:
             return f"other model wrappers ({', '.join(others)}) are not in the engine"
-        if control is not None:
-            return "ControlNet residuals on FLUX/SD3 engines are not supported yet"
         extra = sorted(k for k, v in kwargs.items() if v is not None and k not in _TAKEN[self.family])
         if extra:
             return f"arguments the engine was not built for: {', '.join(extra)}"
@@ -226,6 +243,8 @@ class EngineTransformer:
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
         reason = run.reason or self._reason(base, c_concat, control, options, kwargs)
+        if reason is None and control is not None:
+            reason = self._control_reason(run)
         if reason is None and run.refit:
             self._refit(run, base.diffusion_model)
             reason = run.reason
@@ -246,7 +265,15 @@ class EngineTransformer:
             feed, shape = fam.feed(dm, xc, timestep, c_crossattn, kwargs.get("y"), kwargs.get("guidance"))
         else:
             feed, shape = fam.feed(dm, xc, timestep, c_crossattn, kwargs.get("y"))
-        out = run.engines.run(feed, need=("latent",))
+        engines = run.engines
+        if control is not None:  # FLUX.1 with ComfyUI's ControlNet residuals: the residual-taking engine
+            try:
+                feed.update(fam.control_feed(dm, control, feed["hidden_states"].shape[1], x.shape[0]))
+            except ValueError as exc:
+                self._count_torch(run, str(exc))
+                return in_torch()
+            engines = run.control
+        out = engines.run(feed, need=("latent",))
         if out is None:  # counted, with the reason, by the engines
             return in_torch()
         # copy: the engine reuses its output buffer on the next call
@@ -266,7 +293,7 @@ class EngineTransformer:
         """``sd-accel: transformer calls this run: N on engines, M in PyTorch (k x why; ...)``."""
         on = off = 0
         reasons: dict[str, int] = {}
-        for engines in {id(e): e for e in (run.base, run.engines) if e is not None}.values():
+        for engines in {id(e): e for e in (run.base, run.engines, run.control) if e is not None}.values():
             stats = engines.stats
             on, off = on + stats.engine_calls, off + stats.torch_calls
             for why, n in stats.fallbacks.items():
@@ -303,13 +330,19 @@ def _context():
         yield
 
 
-def spec_for(transformer: torch.nn.Module):
+def spec_for(transformer: torch.nn.Module, control: bool = False):
     """The engine spec of diffusers' transformer made from ComfyUI's (:func:`.flux.to_diffusers`,
-    :func:`.mmdit.to_diffusers`)."""
+    :func:`.mmdit.to_diffusers`); ``control``: FLUX.1's taking ControlNet residuals."""
     if type(transformer).__name__.startswith("Flux"):
         from sd_accel.components.flux import FluxTransformerSpec
+        from sd_accel.components.flux.controlnet import FluxControlTransformerSpec
 
-        return FluxTransformerSpec(FluxFromComfy(transformer))
+        return (FluxControlTransformerSpec if control else FluxTransformerSpec)(FluxFromComfy(transformer))
+    if control:
+        from sd_accel.core import InvalidValue
+
+        raise InvalidValue("the residual-taking transformer exists for FLUX.1 here; SD3's ControlNet calls run in "
+                           "PyTorch")
     from sd_accel.components.sd3 import SD3TransformerSpec
 
     return SD3TransformerSpec(StableDiffusion3FromComfy(transformer))
@@ -414,7 +447,7 @@ def profile_for(profile, part) -> Any:
     none; any other part's: ``profile``."""
     from dataclasses import replace
 
-    if part.component != COMPONENT or profile.text is not None:
+    if part.component not in (COMPONENT, CONTROL) or profile.text is not None:
         return profile
     n = DEFAULT_TEXT["flux" if str(part.facts.get("family", "")).startswith("flux") else "sd3"]
     return replace(profile, text=(n, n, n))
