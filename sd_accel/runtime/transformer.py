@@ -15,7 +15,11 @@ from typing import Any
 import torch
 
 from sd_accel.runtime.modules import EngineModule, _out
-from sd_accel.runtime.transformer_control import control_residuals, sd3_control_residuals
+from sd_accel.runtime.transformer_control import (
+    attention_kwargs_reason,
+    control_residuals,
+    sd3_control_residuals,
+)
 
 # the keyword arguments each family's engine does not take (present and not None: torch runs the call)
 _NOT_IN_ENGINE = ("block_controlnet_hidden_states", "skip_layers", "controlnet_block_samples",
@@ -88,9 +92,9 @@ class EngineTransformer(EngineModule):
         used = [k for k in _NOT_IN_ENGINE if kwargs.get(k) is not None and not (control and k in self._control_args)]
         if used:
             return f"arguments the engine was not built for: {', '.join(used)}"
-        jak = kwargs.get("joint_attention_kwargs") or {}
-        if jak and not (set(jak) == {"scale"} and float(jak["scale"]) == 1.0):
-            return f"joint_attention_kwargs {sorted(jak)} are not in the engine"
+        jak = attention_kwargs_reason(kwargs.get("joint_attention_kwargs"))
+        if jak:
+            return jak
         if self.flux and self.torch_module.config.get("guidance_embeds") and kwargs.get("guidance") is None:
             return "no guidance for a FLUX.1 dev transformer (its engine takes one on every call)"
         return None

@@ -18,6 +18,14 @@ from sd_accel.runtime.control import EngineControlNet
 from sd_accel.runtime.modules import _out
 
 
+def attention_kwargs_reason(jak: dict | None) -> str | None:
+    """Why ``joint_attention_kwargs`` keep a call off the engine (anything but a LoRA scale of 1), or None."""
+    jak = jak or {}
+    if jak and not (set(jak) == {"scale"} and float(jak["scale"]) == 1.0):
+        return f"joint_attention_kwargs {sorted(jak)} are not in the engine"
+    return None
+
+
 class EngineFluxControlNet(EngineControlNet):
     """The engines of one ``FluxControlNetModel``; :meth:`install` routes the net's calls here."""
 
@@ -33,9 +41,7 @@ class EngineFluxControlNet(EngineControlNet):
                       joint_attention_kwargs=joint_attention_kwargs, return_dict=return_dict)
         out = None
         reason = self.stale()
-        jak = joint_attention_kwargs or {}
-        if reason is None and jak and not (set(jak) == {"scale"} and float(jak["scale"]) == 1.0):
-            reason = f"joint_attention_kwargs {sorted(jak)} are not in the engine"
+        reason = reason or attention_kwargs_reason(joint_attention_kwargs)
         if reason is None:
             try:
                 feed = self._flux_feed(hidden_states, controlnet_cond, kwargs)
@@ -120,9 +126,7 @@ class EngineSD3ControlNet(EngineControlNet):
                       joint_attention_kwargs=joint_attention_kwargs, return_dict=return_dict)
         out = None
         reason = self.stale()
-        jak = joint_attention_kwargs or {}
-        if reason is None and jak and not (set(jak) == {"scale"} and float(jak["scale"]) == 1.0):
-            reason = f"joint_attention_kwargs {sorted(jak)} are not in the engine"
+        reason = reason or attention_kwargs_reason(joint_attention_kwargs)
         if reason is None:
             try:
                 batch = hidden_states.shape[0]

@@ -29,6 +29,7 @@ import torch
 from sd_accel.components.flux.export import export_patches
 from sd_accel.components.flux.transformer import FluxTransformerSpec, is_flux_transformer
 from sd_accel.components.spec import TensorSpec
+from sd_accel.components.transformer import ControlNetSpecMixin
 from sd_accel.core import UnsupportedComponent
 
 CONTROL_TRANSFORMER = "transformer_control"
@@ -82,12 +83,9 @@ class _NetExport(torch.nn.Module):
         return tuple(s * scale for s in (*(blocks or ()), *(singles or ())))
 
 
-class FluxControlNetSpec(FluxTransformerSpec):
+class FluxControlNetSpec(ControlNetSpecMixin, FluxTransformerSpec):
     """One ``FluxControlNetModel`` of a FLUX.1 ControlNet pipeline (``pipe.controlnet``, or one of
     a ``FluxMultiControlNetModel``'s ``nets``). Shapes as the transformer's (B, N, L)."""
-
-    name = "controlnet"
-    segment_blocks = None  # (a ControlNet is a few blocks: built whole)
 
     def __init__(self, pipe, net: torch.nn.Module | None = None) -> None:
         super().__init__(pipe)
@@ -99,17 +97,6 @@ class FluxControlNetSpec(FluxTransformerSpec):
             raise UnsupportedComponent("this FLUX ControlNet encodes the control image itself (input_hint_block, "
                                        "XLabs' kind): it keeps running in torch; its samples still reach the "
                                        "transformer's engine")
-
-    @property
-    def attribute(self) -> str:
-        return "controlnet"
-
-    def torch_module(self) -> torch.nn.Module:
-        return self.net
-
-    @property
-    def _cfg(self):
-        return self.net.config
 
     @property
     def union(self) -> bool:
@@ -136,14 +123,6 @@ class FluxControlNetSpec(FluxTransformerSpec):
     def int_high(self, name: str) -> int:
         return int(self._cfg.get("num_mode") or 1)
 
-    def consumer(self):
-        return None  # (its samples feed another engine; judged on their own)
-
-    def sample_feed(self, dims: dict[str, int], seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
-        feed = super().sample_feed(dims, seed=seed, device="cpu")
-        g = torch.Generator("cpu").manual_seed(seed + 2)
-        feed["conditioning_scale"] = 0.5 + torch.rand(feed["conditioning_scale"].shape, generator=g)
-        return {k: v.to(device) for k, v in feed.items()}
 
 
 class _ControlTransformerExport(torch.nn.Module):

@@ -23,6 +23,7 @@ import torch
 
 from sd_accel.components.sd3.transformer import SD3TransformerSpec, is_sd3_transformer
 from sd_accel.components.spec import TensorSpec
+from sd_accel.components.transformer import ControlNetSpecMixin
 from sd_accel.core import UnsupportedComponent
 from sd_accel.profiles import Profile, Range
 
@@ -73,12 +74,9 @@ class _NetExport(torch.nn.Module):
         return tuple(s * conditioning_scale.reshape(-1, 1, 1) for s in samples)
 
 
-class SD3ControlNetSpec(SD3TransformerSpec):
+class SD3ControlNetSpec(ControlNetSpecMixin, SD3TransformerSpec):
     """One ``SD3ControlNetModel`` of an SD3 ControlNet pipeline (``pipe.controlnet`` or one of
     an ``SD3MultiControlNetModel``'s ``nets``)."""
-
-    name = "controlnet"
-    segment_blocks = None  # (a ControlNet is a few blocks: built whole)
 
     def __init__(self, pipe, net: torch.nn.Module | None = None) -> None:
         super().__init__(pipe)
@@ -90,17 +88,6 @@ class SD3ControlNetSpec(SD3TransformerSpec):
             raise UnsupportedComponent("this SD3 ControlNet has no text or position embedder of its own (SD3.5 "
                                        "Large's kind): it keeps running in torch; its samples still reach the "
                                        "transformer's engine")
-
-    @property
-    def attribute(self) -> str:
-        return "controlnet"
-
-    def torch_module(self) -> torch.nn.Module:
-        return self.net
-
-    @property
-    def _cfg(self):
-        return self.net.config
 
     def inputs(self) -> tuple[TensorSpec, ...]:
         f32 = torch.float32
@@ -121,14 +108,6 @@ class SD3ControlNetSpec(SD3TransformerSpec):
     def export_dims(self) -> dict[str, int]:
         return _export_tokens(self)
 
-    def consumer(self):
-        return None  # (its samples feed another engine; judged on their own)
-
-    def sample_feed(self, dims: dict[str, int], seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
-        feed = super().sample_feed(dims, seed=seed, device="cpu")
-        g = torch.Generator("cpu").manual_seed(seed + 2)
-        feed["conditioning_scale"] = 0.5 + torch.rand(feed["conditioning_scale"].shape, generator=g)
-        return {k: v.to(device) for k, v in feed.items()}
 
 
 class _ControlTransformerExport(torch.nn.Module):
