@@ -31,7 +31,12 @@ import torch
 from sd_accel.config import AccelConfig
 from sd_accel.core import DeviceError, InvalidType
 from sd_accel.models.controlnet import call_arguments as control_arguments
-from sd_accel.models.controlnet import controlnet_pipeline, load_controlnet, with_controlnets
+from sd_accel.models.controlnet import (
+    controlnet_pipeline,
+    load_controlnet,
+    residual_component,
+    with_controlnets,
+)
 from sd_accel.models.hints import canny as control_canny
 from sd_accel.models.hints import preprocess as control_hint
 from sd_accel.models.load import ModelInfo, load_pipeline
@@ -47,7 +52,7 @@ from sd_accel.refit import refit_engines
 log = logging.getLogger("sd_accel")
 
 __all__ = ["SHARED_COMPONENTS", "AccelState", "control_arguments", "accelerate", "control_canny", "control_hint", "controlnet_pipeline", "describe_machine", "generation_defaults", "load_controlnet", "model_family",
-           "load_pipeline", "load_tiny_vae", "ModelInfo", "refit_engines", "resolve_device", "use_vae", "with_controlnets"]
+           "load_pipeline", "load_tiny_vae", "ModelInfo", "refit_engines", "residual_component", "resolve_device", "use_vae", "with_controlnets"]
 
 
 @dataclass

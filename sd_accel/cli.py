@@ -131,14 +131,10 @@ def _with_controlnets(pipe, args: argparse.Namespace):
     except OSError as exc:
         raise InvalidValue(f"--control-image: {exc}") from exc
     pipe = with_controlnets(pipe, args.controlnet, allow_pickle=args.allow_pickle)
-    extra = control_arguments(hints, scales)
-    if getattr(pipe, "transformer", None) is not None:  # FLUX.1 / SD3 pipelines name the hint control_image
-        extra["control_image"] = extra.pop("image")
-    modes = args.control_mode or []
-    if modes:  # a union net's control type (FLUX.1's ControlNet-Union: canny, tile, depth ...)
-        if len(modes) != n or getattr(pipe, "transformer", None) is None:
-            raise InvalidValue("--control-mode: one per --controlnet, for FLUX.1 union ControlNets")
-        extra["control_mode"] = modes[0] if n == 1 else list(modes)
+    modes = args.control_mode or None
+    if modes and len(modes) != n:
+        raise InvalidValue("--control-mode: one per --controlnet, for FLUX.1 union ControlNets")
+    extra = control_arguments(hints, scales, pipe=pipe, modes=modes)
     return pipe, extra
 
 

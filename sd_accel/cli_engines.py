@@ -94,6 +94,7 @@ def _ctrl_c_cancels() -> Iterator[threading.Event]:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from sd_accel import build_engines, load_pipeline
+    from sd_accel.api import residual_component
     from sd_accel.build import engine_components
 
     preset, profiles = _profiles(args)
@@ -114,9 +115,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
         base = profiles or [preset_profile(preset or default_preset(pipe.sd_accel_model.family))]
         preset, profiles = None, [replace(p, cfg=False) for p in base]
-    residual = "transformer_control" if getattr(pipe, "transformer", None) is not None else "unet_control"
     components = _components(args.components, engine_components(pipe) + (
-        ["controlnet", residual] if args.controlnet else []))
+        ["controlnet", residual_component(pipe)] if args.controlnet else []))
     start = time.perf_counter()
     with _ctrl_c_cancels() as cancel:
         records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,

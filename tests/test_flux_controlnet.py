@@ -17,28 +17,10 @@ from sd_accel.components.flux.controlnet import spread
 from sd_accel.profiles import Profile
 from sd_accel.runtime.transformer import NO_CONTROL_ENGINE
 
+from support.transformer_nets import flux_net as _net
+
 PROFILE = Profile(batch=1, height=64, width=64, text=512)
 CONTROL = Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8"))
-
-
-def _net(transformer, seed: int, modes: int | None = None):
-    from diffusers import FluxControlNetModel
-
-    torch.manual_seed(seed)
-    net = FluxControlNetModel.from_transformer(transformer, num_layers=1, num_single_layers=1,
-                                               attention_head_dim=transformer.config.attention_head_dim,
-                                               num_attention_heads=transformer.config.num_attention_heads)
-    if modes is not None:  # a union net: the same net with a control-mode embedding
-        config = {k: v for k, v in net.config.items() if not k.startswith("_") and k != "out_channels"}
-        union = FluxControlNetModel.from_config({**config, "num_mode": modes})
-        union.load_state_dict(net.state_dict(), strict=False)
-        net = union
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed + 100)
-        for name, param in net.named_parameters():
-            if "controlnet_" in name:  # zero-initialised: random, or the net would change nothing
-                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
-    return net
 
 
 def _pipeline(nets: list[tuple[int, int | None]]):

@@ -15,27 +15,10 @@ from sd_accel import AccelConfig, accelerate, build_engines, load_pipeline, stat
 from sd_accel.components.sd3.controlnet import pick
 from sd_accel.profiles import Profile
 
+from support.transformer_nets import sd3_net as _net
+
 PROFILE = Profile(batch=1, height=64, width=64)
 CONTROL = Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8"))
-
-
-def _net(transformer, seed: int):
-    """A one-block SD3ControlNetModel of the transformer's widths (diffusers' from_transformer
-    writes into the transformer's config: built from a copy here)."""
-    from diffusers import SD3ControlNetModel
-
-    config = {k: v for k, v in transformer.config.items() if not k.startswith("_")}
-    torch.manual_seed(seed)
-    net = SD3ControlNetModel.from_config({**config, "num_layers": 1, "extra_conditioning_channels": 0})
-    for part in ("pos_embed", "time_text_embed", "context_embedder"):
-        getattr(net, part).load_state_dict(getattr(transformer, part).state_dict())
-    net.transformer_blocks.load_state_dict(transformer.transformer_blocks.state_dict(), strict=False)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed + 100)
-        for name, param in net.named_parameters():
-            if name.startswith(("controlnet_blocks", "pos_embed_input")):
-                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
-    return net
 
 
 def _pipeline(seeds: list[int]):

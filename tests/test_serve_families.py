@@ -1,7 +1,7 @@
 """``sd-accel serve`` with the transformer families (issue 45, the service): SD3 and FLUX.1 models
 answer txt2img on their transformer engine, like requests share one call, CFG doubles the
 transformer's batch where the family runs it (SD3) and not where guidance is an input (FLUX.1), and
-what a family does not take (a WebUI sampler, FLUX.1's negative prompt, ControlNet units) is refused
+what a family does not take (a WebUI sampler, FLUX.1's negative prompt) is refused
 with the reason. Tiny models, random weights, ONNX Runtime fp32 engines."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_what_a_flow_model_does_not_take_is_refused_with_the_reason(served):
     name, server = served
     with pytest.raises(InvalidValue, match="runs its own flow-matching Euler scheduler"):
         asyncio.run(server.generate(dict(REQUEST, sampler="DPM++ 2M")))
-    with pytest.raises(InvalidValue, match="ControlNet units"):
+    with pytest.raises(InvalidValue, match="this service has no ControlNets"):  # (they run: test_serve_controlnet_families)
         asyncio.run(server.generate(dict(REQUEST, controlnet=[{"model": "canny", "image": b"x"}])))
     assert server.job_for(GenerationParams(**REQUEST, sampler="Euler")).key.sampler is None  # the model's own
     negative = dict(REQUEST, negative_prompt="blurry")

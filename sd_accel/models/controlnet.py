@@ -356,10 +356,19 @@ def with_controlnets(pipe, sources, *, kind: str = "txt2img", allow_pickle: bool
     return controlnet_pipeline(pipe, nets, kind)
 
 
+def residual_component(pipe) -> str:
+    """The component that takes a ControlNet's residuals in ``pipe``'s family: the transformer's
+    twin (``transformer_control``) for FLUX.1 / SD3, the UNet's (``unet_control``) otherwise."""
+    return "transformer_control" if getattr(pipe, "transformer", None) is not None else "unet_control"
+
+
 def call_arguments(hints: list, scales: list[float], starts: list[float] | None = None,
-                   ends: list[float] | None = None) -> dict[str, Any]:
+                   ends: list[float] | None = None, *, pipe=None,
+                   modes: list[int | None] | None = None) -> dict[str, Any]:
     """A ControlNet pipeline's call arguments for one hint per net: plain values for one net (what
-    a single ``ControlNetModel`` takes), lists for several; start/end only when given.
+    a single ``ControlNetModel`` takes), lists for several; start/end only when given. With
+    ``pipe`` a FLUX.1 / SD3 ControlNet pipeline the hint is ``control_image`` (their name for it),
+    and ``modes`` (a union net's control type per net, None for a plain net) is ``control_mode``.
 
     >>> call_arguments(["hint"], [0.8])                                # "hint": the control image
     {'image': 'hint', 'controlnet_conditioning_scale': 0.8}
@@ -369,9 +378,15 @@ def call_arguments(hints: list, scales: list[float], starts: list[float] | None 
     def value(items: list) -> Any:
         return items[0] if one else list(items)
 
-    out = {"image": value(hints), "controlnet_conditioning_scale": value(scales)}
+    transformer = pipe is not None and getattr(pipe, "transformer", None) is not None
+    out = {"control_image" if transformer else "image": value(hints), "controlnet_conditioning_scale": value(scales)}
     if starts is not None:
         out["control_guidance_start"] = value(starts)
     if ends is not None:
         out["control_guidance_end"] = value(ends)
+    if modes is not None and any(m is not None for m in modes):
+        if not (transformer and _is_flux(pipe)):
+            raise InvalidValue("a control mode is for FLUX.1 union ControlNets; SD 1.x / SDXL / SD3 ControlNets "
+                               "take none: leave it out")
+        out["control_mode"] = value(modes)
     return out

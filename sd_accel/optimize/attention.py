@@ -62,8 +62,14 @@ def denoising_modules(pipe) -> list:
 
 
 def _attention_modules(pipe) -> list:
-    # A module without attention layers (the tiny autoencoder, TAESD) has nothing to set.
-    return [m for m in denoising_modules(pipe) if hasattr(m, "set_attn_processor")]
+    # A module without attention layers (the tiny autoencoder, TAESD) has nothing to set. The
+    # FLUX.1 / SD3 ControlNets' joint attention takes its own processors (already SDPA); the UNet
+    # families' processor there breaks their calls, as it would the transformer's.
+    transformer_nets = set()
+    if getattr(pipe, "transformer", None) is not None:
+        control = getattr(pipe, "controlnet", None)
+        transformer_nets = {id(m) for m in (getattr(control, "nets", None) or [control]) if m is not None}
+    return [m for m in denoising_modules(pipe) if hasattr(m, "set_attn_processor") and id(m) not in transformer_nets]
 
 
 def apply_attention(pipe, backend: str) -> None:

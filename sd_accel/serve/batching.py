@@ -316,8 +316,11 @@ def engine_batch_limit(pipe, key: BatchKey) -> int | None:
         for component, engines in engines_by_component.items():
             if component == "vae_encoder":
                 continue  # txt2img never encodes images
-            doubled = component in ("unet", "unet_control", "controlnet") or (component == "transformer"
-                                                                             and runs_cfg(pipe))
+            # the UNet families always double their denoiser's rows under CFG; the transformer
+            # families (and their ControlNets) only where the family runs CFG (SD3, not FLUX.1)
+            unet_family = getattr(pipe, "unet", None) is not None
+            doubled = (component in ("unet", "unet_control", "controlnet") if unet_family
+                       else component in ("transformer", "transformer_control", "controlnet") and runs_cfg(pipe))
             per_image = 2 if doubled and key.cfg > 1 else 1
             best = 0
             for handle in getattr(engines, "handles", []):
@@ -375,14 +378,19 @@ def run_pipeline(pipe, key: BatchKey, items: Sequence[WorkItem], should_stop: Ca
     negative = {"negative_prompt": [item.negative_prompt for item in items]} if runs_cfg(pipe) else {}
     # img2img pipelines of SD take the size from the init image (resized to it beforehand)
     size = {"width": key.width, "height": key.height} if "width" in inspect.signature(pipe.__call__).parameters else {}
-    return pipe(
-        prompt=[item.prompt for item in items],
-        **negative,
-        num_inference_steps=key.steps,
-        guidance_scale=key.cfg,
-        **size,
-        num_images_per_prompt=1,
-        generator=generators,
-        callback_on_step_end=on_step_end,
-        **(extra or {}),
-    ).images
+    # SD3's ControlNet pipeline samples its hint's latents from torch's global generator, not the
+    # request's: seeded from the call's first seed (in a forked state, the process's own untouched)
+    # so that a seed gives the same picture every time, on engines as in PyTorch.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(items[0].seed)
+        return pipe(
+            prompt=[item.prompt for item in items],
+            **negative,
+            num_inference_steps=key.steps,
+            guidance_scale=key.cfg,
+            **size,
+            num_images_per_prompt=1,
+            generator=generators,
+            callback_on_step_end=on_step_end,
+            **(extra or {}),
+        ).images

@@ -176,6 +176,7 @@ def _build_task(data: dict[str, Any]) -> tuple[list[str], int]:
     ControlNets of ``controlnet_dir`` and the UNet that takes their residuals included (a request's
     units then run on engines from its first call). Returns their names and the worker's pid."""
     from sd_accel import build_engines, load_pipeline, with_controlnets
+    from sd_accel.api import residual_component
     from sd_accel.serve.controlnet_units import controlnet_files
 
     config = ServeConfig.from_dict(data)
@@ -193,8 +194,10 @@ def _build_task(data: dict[str, Any]) -> tuple[list[str], int]:
         except Exception as exc:  # a file that does not load fails its requests, not the service
             log.warning("sd-accel serve: ControlNet %s not built: %s", label, exc)
             continue
-        # (the residual UNet is the same for every ControlNet: built once, then found in the cache)
-        names += [r.name for r in build_engines(control, components=["controlnet", "unet_control"], **common)]
+        # (the residual-taking UNet / transformer is the same for every ControlNet: built once,
+        # then found in the cache)
+        names += [r.name for r in build_engines(control, components=["controlnet", residual_component(pipe)],
+                                                **common)]
     return list(dict.fromkeys(names)), os.getpid()
 
 

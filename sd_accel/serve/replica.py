@@ -246,9 +246,6 @@ class ModelServer:
         each named ControlNet; the units are kept for the call that runs them."""
         if not units:
             return ()
-        if self.flow:
-            raise InvalidValue(f"ControlNet units: sd-accel serve runs them on SD 1.x / 2.x / SDXL models, not on "
-                               f"{type(self.pipe).__name__} yet; send the request without alwayson_scripts.controlnet")
         for unit in units:
             if unit.model not in self.controlnets:
                 if not self.controlnets:
@@ -275,7 +272,8 @@ class ModelServer:
                                         allow_pickle=self.config.allow_pickle)
                 pipe = accelerate(pipe, self.config.accel)
                 pipe.set_progress_bar_config(disable=True)
-                pipe.unet.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
+                denoiser = getattr(pipe, "unet", None) or pipe.transformer
+                denoiser.register_forward_pre_hook(self._count_unet_batch, with_kwargs=True)
                 self._control_pipes[models] = pipe
                 log.info("sd-accel serve: ControlNet pipeline ready for %s", ", ".join(models))
             return self._control_pipes[models]
@@ -323,7 +321,9 @@ class ModelServer:
                                "other")
         control = self.control_for(units)
         if units:  # loading a ControlNet takes seconds: not on the event loop
-            await asyncio.to_thread(self.control_pipe, tuple(u.model for u in units))
+            from sd_accel.serve.controlnet_units import check_union_modes
+
+            check_union_modes(units, await asyncio.to_thread(self.control_pipe, tuple(u.model for u in units)))
         init = self.init_for(image, strength)
         if init:
             await asyncio.to_thread(self.img2img_pipe)
@@ -402,7 +402,7 @@ class ModelServer:
                 units = self._control_units.get(key.control)
             if units is None:  # evicted while it waited: only under far more distinct units than requests held
                 raise InvalidValue("this request's ControlNet units were dropped from the replica; send it again")
-            extra = pipeline_arguments(units)
+            extra = pipeline_arguments(units, pipe=self._pipe_for(key))
         if key.strength is not None:
             from PIL import Image
 
