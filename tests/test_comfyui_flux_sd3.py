@@ -339,3 +339,35 @@ def test_flux_controlnet_residuals_run_on_the_residual_taking_engine(tmp_path, c
     got = comfy.sample_dit(applied, positive, negative)
     assert "2 on engines, 0 in PyTorch" in _report(caplog)
     torch.testing.assert_close(got, plain, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.slow
+def test_flux_controlnet_with_a_lora_runs_on_the_refitted_residual_taking_engine(tmp_path, caplog):
+    """ControlNet residuals and a LoRA together on FLUX.1: the residual-taking engine is refitted
+    to ComfyUI's patched weights at the run's first ControlNet call (the plain transformer engine
+    only where a call has no residuals), each strength its own refit, every call on an engine and
+    equal to ComfyUI's own run with the same LoRA and residuals."""
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, "flux-schnell", "checkpoints")
+    positive, negative = _conds("flux-schnell")
+    pos, neg = dict(positive, control=_Residuals(1)), dict(negative, control=_Residuals(2))
+    applied, _ = comfy.node("SdAccelBuildEngines").build(model, **dict(BUILD, components="unet+unet_control"))
+    lora = _lora(model, seed=3)
+    seen = []
+    for strength in (0.7, 1.0):
+        want = comfy.sample_dit(_with_loras(model, [(lora, strength)]), pos, neg)  # ComfyUI's own
+        caplog.clear()
+        got = comfy.sample_dit(_with_loras(applied, [(lora, strength)]), pos, neg)
+        line = _report(caplog)
+        assert "2 on engines, 0 in PyTorch" in line, line
+        assert "transformer (ControlNet residuals) on engine" in line and f":{strength:g}" in line, line
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        seen.append(got)
+    assert (seen[1] - seen[0]).abs().max() > 1e-2  # 1.0 is not 0.7's weights
+    # the same LoRA without residuals: the plain transformer engine, refitted (its own line)
+    caplog.clear()
+    want = comfy.sample_dit(_with_loras(model, [(lora, 1.0)]), positive, negative)
+    got = comfy.sample_dit(_with_loras(applied, [(lora, 1.0)]), positive, negative)
+    line = _report(caplog)
+    assert "2 on engines, 0 in PyTorch" in line and "(ControlNet residuals)" not in line, line
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

@@ -10,8 +10,8 @@ and one hook for both families keeps one path. The wrapper does what ``BaseModel
 does around the diffusion model, with the model's own functions (``model_sampling.calculate_input``,
 ``timestep``, ``process_timestep``, ``calculate_denoised``), and feeds the engine in between;
 anything it does not cover goes to ``executor(...)``, ComfyUI's own path, counted with the reason:
-ControlNet residuals on SD3 or with LoRA patches (FLUX.1's otherwise go to the residual-taking
-engine, ``transformer_control``: :func:`.flux.control_feed`), transformer patches and block replacements, other packs' DIFFUSION_MODEL /
+ControlNet residuals on SD3 (FLUX.1's go to the residual-taking engine, ``transformer_control``:
+:func:`.flux.control_feed`; with a LoRA, refitted as the transformer's is), transformer patches and block replacements, other packs' DIFFUSION_MODEL /
 APPLY_MODEL wrappers, arguments the engine lacks (Kontext's reference latents, attention masks),
 a shape no profile covers, LoRA patches that cannot be put on the engine.
 
@@ -25,7 +25,8 @@ BFL names -> diffusers', fused q/k/v and single-block ``linear1`` rows split; :f
 diffusers' SD3 single-file converter), validated against diffusers' transformer holding them.
 A strength change or another LoRA is another patch set (:func:`.identity.patch_set`): another
 refit, the previous one released first (:data:`KEPT_REFITS`); a MODEL without LoRA uses the base
-engine; the engine never serves weights other than the ones the run's MODEL computes with (the
+engine. FLUX.1's ``transformer_control`` is refitted the same way, separately, at the first
+ControlNet call of a run with LoRA patches (a run without ControlNet never refits it); the engine never serves weights other than the ones the run's MODEL computes with (the
 patch set's uuid must be the one in the weights). Patches of weights the conversion does not
 carry, a partially loaded model (low VRAM: patches computed on the fly), hook LoRAs, INT8
 engines, and a refit that fails or would not fit in memory: the run in PyTorch, with the reason.
@@ -83,8 +84,10 @@ class Run:
     base: Any = None  # the checkpoint's engines (what a refit starts from)
     control: Any = None  # the residual-taking engines (FLUX.1 ControlNet calls), or None
     control_why: str | None = None  # why there are none
+    control_base: Any = None  # the checkpoint's residual-taking engines, to refit with a LoRA
     refit: bool = False  # the engines come from a refit at the first call
-    line: Any = None  # () -> what a refit did, for the report
+    control_refit: bool = False  # the residual-taking engines too, at the first ControlNet call
+    lines: list = field(default_factory=list)  # () -> what a refit did, for the report
 
 
 class EngineTransformer:
@@ -134,6 +137,9 @@ class EngineTransformer:
         if not run.loras:
             return run
         run.engines = None  # never the base weights: the refit's engines, or PyTorch
+        if run.control is not None:  # (refitted at the run's first ControlNet call, if it makes one)
+            run.control_base, run.control, run.control_refit = run.control, None, True
+            run.control_why = f"no residual-taking transformer engine for {self.ckpt_id} with {describe(run.loras)}"
         bad = fam.unmapped(dm, [_key(k) for k in patches if _key(k).startswith("diffusion_model.")])
         if bad:
             run.reason = (f"LoRA patches of weights the {self.family} engine does not take ({', '.join(bad[:3])}"
@@ -152,44 +158,48 @@ class EngineTransformer:
     def _refit(self, run: Run, dm: torch.nn.Module) -> None:
         """The checkpoint's engines refitted to the patched weights now in ``dm`` (once per set)."""
         run.refit = False
+        run.engines, why = self._refitted(run, dm, COMPONENT, run.base)
+        if why:
+            run.reason = why
+
+    def _refitted(self, run: Run, dm: torch.nn.Module, component: str, base) -> tuple[Any, str | None]:
+        """``base`` (the checkpoint's ``component`` engines) refitted to the patched weights now
+        in ``dm`` (once per patch set and component, then reused): (engines, None) or (None, why)."""
         patcher = run.patcher
         model = getattr(patcher, "model", None)
         if getattr(model, "model_lowvram", False):
-            run.reason = ("ComfyUI loaded the transformer partially (low VRAM): its LoRA patches are computed on "
+            return None, ("ComfyUI loaded the transformer partially (low VRAM): its LoRA patches are computed on "
                           "the fly, not in the weights")
-            return
         if not _carries(patcher):
-            run.reason = "the transformer's weights do not carry this MODEL's patches now"
-            return
+            return None, "the transformer's weights do not carry this MODEL's patches now"
         from sd_accel.webui.lora import lora_text
 
         st = self.state
-        where = (self.ckpt_id, st.backend_name(), str(st.cache().root), st.generation, COMPONENT)
+        where = (self.ckpt_id, st.backend_name(), str(st.cache().root), st.generation, component)
         refit = st.refits.get(where, run.loras)
         made_now = refit is None
         if refit is None:
             failed = st.refits.failed(where, run.loras)
             if failed:
-                run.reason = failed
-                return
-            log.warning("sd-accel: refitting the %s transformer engine of %s for %s at its first call (ComfyUI's "
-                        "patched weights on the engine without a rebuild)", self.family, self.ckpt_id,
+                return None, failed
+            log.warning("sd-accel: refitting the %s %s engine of %s for %s at its first call (ComfyUI's patched "
+                        "weights on the engine without a rebuild)", self.family, component, self.ckpt_id,
                         describe(run.loras))
             st.refits.make_room(where, KEPT_REFITS)  # the set that gives way leaves memory first
             try:
-                refit = refit_for(run.base, run.loras, dm, patcher)
+                refit = refit_for(base, run.loras, dm, patcher)
             except Exception as exc:  # noqa: BLE001  (never stop the image: PyTorch, said once)
-                why = f"the transformer refit for {lora_text(run.loras)} failed: {type(exc).__name__}: {exc}"
+                why = f"the {component} refit for {lora_text(run.loras)} failed: {type(exc).__name__}: {exc}"
                 st.refits.fail(where, run.loras, why)
                 log.warning("sd-accel: %s", why)
-                run.reason = why
-                return
+                return None, why
             st.refits.add(where, refit, KEPT_REFITS)
         else:
             refit.bind(dm, None, _check(patcher), _context)  # a profile first called now refits from this run's weights
-        run.line = lambda: refit.line(made_now).replace("UNet on engine", f"{self.family} transformer on engine", 1)
-        run.engines = refit.engines
-        run.engines.reset_stats()
+        what = f"{self.family} transformer" + (" (ControlNet residuals)" if component == CONTROL else "")
+        run.lines.append(lambda: refit.line(made_now).replace("UNet on engine", f"{what} on engine", 1))
+        refit.engines.reset_stats()
+        return refit.engines, None
 
     def outer_sample(self, executor, *args, **kwargs):
         """``outer_sample`` wrapper: the run's engines (or why none), sample, report."""
@@ -203,12 +213,15 @@ class EngineTransformer:
             log.info("%s", self.last_report)
             self.run = None
 
-    def _control_reason(self, run: Run) -> str | None:
-        """Why a ControlNet call cannot run on the residual-taking engine, or None."""
+    def _control_reason(self, run: Run, dm: torch.nn.Module) -> str | None:
+        """Why a ControlNet call cannot run on the residual-taking engine, or None (with a LoRA:
+        that engine refitted to ``dm``'s patched weights first, once per run)."""
         if self.family != "flux":
             return "ControlNet residuals on SD3 engines are not supported yet"
-        if run.loras:
-            return "ControlNet residuals with LoRA patches on FLUX engines are not supported yet"
+        if run.control_refit:
+            run.control_refit = False
+            run.control, why = self._refitted(run, dm, CONTROL, run.control_base)
+            run.control_why = why or run.control_why
         if run.control is None:
             return run.control_why or (f"no residual-taking transformer engine for {self.ckpt_id}: build one with the "
                                        "sd-accel Build Engines node (components with unet_control)")
@@ -244,7 +257,7 @@ class EngineTransformer:
 
         reason = run.reason or self._reason(base, c_concat, control, options, kwargs)
         if reason is None and control is not None:
-            reason = self._control_reason(run)
+            reason = self._control_reason(run, base.diffusion_model)
         if reason is None and run.refit:
             self._refit(run, base.diffusion_model)
             reason = run.reason
@@ -293,7 +306,8 @@ class EngineTransformer:
         """``sd-accel: transformer calls this run: N on engines, M in PyTorch (k x why; ...)``."""
         on = off = 0
         reasons: dict[str, int] = {}
-        for engines in {id(e): e for e in (run.base, run.engines, run.control) if e is not None}.values():
+        for engines in {id(e): e for e in (run.base, run.engines, run.control, run.control_base)
+                        if e is not None}.values():
             stats = engines.stats
             on, off = on + stats.engine_calls, off + stats.torch_calls
             for why, n in stats.fallbacks.items():
@@ -304,8 +318,8 @@ class EngineTransformer:
         line = f"sd-accel: {self.family} transformer calls this run: {on} on engines, {off} in PyTorch"
         if reasons:
             line += " (" + "; ".join(f"{n}x {why}" for why, n in reasons.items()) + ")"
-        if run.line:
-            line += f"\nsd-accel: {run.line()}"
+        for made in run.lines:
+            line += f"\nsd-accel: {made()}"
         return line
 
 
@@ -365,7 +379,8 @@ class TransformerRefit(Refit):
                 raise EngineError(why)
             transformer = family_module(dm).to_diffusers(dm)
             log.info("sd-accel: refitting %s for %s", handle.name, lora_text(self.loras))
-            return refit_engine(handle, effective_weights(transformer), spec_for(transformer), lambda f, m: None)
+            spec = spec_for(transformer, control=handle.record.key.component == CONTROL)
+            return refit_engine(handle, effective_weights(transformer), spec, lambda f, m: None)
 
 
 def refit_for(base, loras, dm: torch.nn.Module, patcher) -> TransformerRefit:
