@@ -371,3 +371,44 @@ def test_flux_controlnet_with_a_lora_runs_on_the_refitted_residual_taking_engine
     line = _report(caplog)
     assert "2 on engines, 0 in PyTorch" in line and "(ControlNet residuals)" not in line, line
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+class _MMDiTResiduals(_Residuals):
+    """ComfyUI's ControlNet ``control`` for an MMDiT of two joint blocks (width 128): ``output[i]``
+    added after joint block i, the last, context-pre-only block too (which diffusers' SD3 never
+    adds to)."""
+
+    def get_control(self, x, sigma, cond, batch):
+        g = torch.Generator().manual_seed(self.seed + int(float(sigma.flatten()[0]) * 1000))
+        tokens = ((x.shape[-2] + 1) // 2) * ((x.shape[-1] + 1) // 2)
+        return {"output": [torch.randn(x.shape[0], tokens, 128, generator=g) * 0.5 for _ in range(2)]}
+
+
+@pytest.mark.slow
+def test_sd3_controlnet_residuals_run_on_the_residual_taking_engine(tmp_path, caplog):
+    """ComfyUI's ControlNet residuals on SD3's MMDiT (after every joint block, the last one
+    included): the Build node's ``unet_control`` makes SD3's ``transformer_control``; a run with
+    residuals (and then with a LoRA too) runs on it and gives ComfyUI's own latent."""
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, "sd3", "checkpoints")
+    assert len(model.model.diffusion_model.joint_blocks) == 2  # the residuals above: one per block
+    positive, negative = _conds("sd3")
+    pos, neg = dict(positive, control=_MMDiTResiduals(1)), dict(negative, control=_MMDiTResiduals(2))
+    want = comfy.sample_dit(model, pos, neg)  # ComfyUI's own path
+    assert (want - comfy.sample_dit(model, positive, negative)).abs().max() > 1e-2
+
+    applied, report = comfy.node("SdAccelBuildEngines").build(model, **dict(BUILD, components="unet+unet_control"))
+    assert "transformer_control" in report, report
+    caplog.clear()
+    got = comfy.sample_dit(applied, pos, neg)
+    line = _report(caplog)
+    assert "2 on engines, 0 in PyTorch" in line, line
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+    lora = _lora(model, seed=3)
+    want = comfy.sample_dit(_with_loras(model, [(lora, 0.8)]), pos, neg)
+    caplog.clear()
+    got = comfy.sample_dit(_with_loras(applied, [(lora, 0.8)]), pos, neg)
+    line = _report(caplog)
+    assert "2 on engines, 0 in PyTorch" in line and "(ControlNet residuals) on engine" in line, line
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

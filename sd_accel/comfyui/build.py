@@ -117,7 +117,7 @@ def unet_part(patcher, st: State, control: bool = False) -> Part:
 
 def transformer_part(patcher, st: State, control: bool = False) -> Part:
     """The build's part for a FLUX.1 / SD3 MODEL: diffusers' transformer with its weights, keyed by
-    the checkpoint file; ``control``: FLUX.1's taking ControlNet residuals (``transformer_control``)."""
+    the checkpoint file; ``control``: the one taking ControlNet residuals (``transformer_control``)."""
     from sd_accel.comfyui.transformer import COMPONENT, CONTROL, family_module, lora_patched, spec_for
 
     model = patcher.model
@@ -230,10 +230,7 @@ def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile
         if "unet_control" in components:
             if model is None:
                 raise InvalidValue("components include unet_control: connect a MODEL")
-            if dit and transformer.family_module(model.model.diffusion_model).FAMILY != "flux":
-                raise InvalidValue("unet_control for an SD3 MODEL: its residual-taking transformer is not built "
-                                   "here yet (its ControlNet calls run in PyTorch); FLUX.1's is")
-            # FLUX.1: the transformer taking ControlNet residuals (transformer_control)
+            # FLUX.1 / SD3: the transformer taking ControlNet residuals (transformer_control)
             parts.append(transformer_part(model, st, control=True) if dit else unet_part(model, st, control=True))
         if "clip" in components:
             if clip is None:

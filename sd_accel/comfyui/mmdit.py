@@ -91,6 +91,39 @@ def feed(module: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor, conte
              "pooled_projections": y.float(), "timestep": t}, (height, width))
 
 
+def control_feed(module: torch.nn.Module, control: dict, hidden_states: torch.Tensor, batch: int,
+                 takes: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The residual-taking engine's inputs (``transformer_control``: ``block_{i}``,
+    :mod:`sd_accel.components.sd3.controlnet`) for ComfyUI's ControlNet ``control`` dict: joint
+    block i adds ``control["output"][i]`` to the image tokens (``MMDiT.forward_core_with_concat``),
+    the last, context-pre-only block too; a block none reaches adds zeros. ``hidden_states``: the
+    engine's (padded) latent input; ``takes``: the engine's input names. Raises ValueError for a
+    residual the engine cannot take (another width, token count or batch; the last block's on an
+    engine built before it had an input)."""
+    p = module.patch_size
+    tokens = (hidden_states.shape[-2] // p) * (hidden_states.shape[-1] // p)
+    width = module.hidden_size
+    zeros = torch.zeros(batch, tokens, width)
+    adds = control.get("output") or []
+    out: dict[str, torch.Tensor] = {}
+    for i in range(len(module.joint_blocks)):
+        name = f"block_{i}"
+        add = adds[i] if i < len(adds) else None
+        if takes is not None and name not in takes:
+            if add is not None:
+                raise ValueError(f"the residual-taking engine has no input for block {i}'s ControlNet residual "
+                                 "(built before it took one): delete it and build it again")
+            continue
+        if add is None:
+            out[name] = zeros
+            continue
+        if add.ndim != 3 or tuple(add.shape) != (batch, tokens, width):
+            raise ValueError(f"ControlNet residual output[{i}] of shape {tuple(add.shape)} for {batch} x {tokens} "
+                             f"image tokens of width {width}")
+        out[name] = add.float().contiguous()
+    return out
+
+
 def output(latent: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     height, width = shape
     return latent[:, :, :height, :width]

@@ -10,8 +10,9 @@ and one hook for both families keeps one path. The wrapper does what ``BaseModel
 does around the diffusion model, with the model's own functions (``model_sampling.calculate_input``,
 ``timestep``, ``process_timestep``, ``calculate_denoised``), and feeds the engine in between;
 anything it does not cover goes to ``executor(...)``, ComfyUI's own path, counted with the reason:
-ControlNet residuals on SD3 (FLUX.1's go to the residual-taking engine, ``transformer_control``:
-:func:`.flux.control_feed`; with a LoRA, refitted as the transformer's is), transformer patches and block replacements, other packs' DIFFUSION_MODEL /
+ControlNet residuals without a residual-taking engine (FLUX.1's and SD3's go to
+``transformer_control``: :func:`.flux.control_feed`, :func:`.mmdit.control_feed`; with a LoRA,
+refitted as the transformer's is), transformer patches and block replacements, other packs' DIFFUSION_MODEL /
 APPLY_MODEL wrappers, arguments the engine lacks (Kontext's reference latents, attention masks),
 a shape no profile covers, LoRA patches that cannot be put on the engine.
 
@@ -25,7 +26,7 @@ BFL names -> diffusers', fused q/k/v and single-block ``linear1`` rows split; :f
 diffusers' SD3 single-file converter), validated against diffusers' transformer holding them.
 A strength change or another LoRA is another patch set (:func:`.identity.patch_set`): another
 refit, the previous one released first (:data:`KEPT_REFITS`); a MODEL without LoRA uses the base
-engine. FLUX.1's ``transformer_control`` is refitted the same way, separately, at the first
+engine. ``transformer_control`` is refitted the same way, separately, at the first
 ControlNet call of a run with LoRA patches (a run without ControlNet never refits it); the engine never serves weights other than the ones the run's MODEL computes with (the
 patch set's uuid must be the one in the weights). Patches of weights the conversion does not
 carry, a partially loaded model (low VRAM: patches computed on the fly), hook LoRAs, INT8
@@ -128,10 +129,9 @@ class EngineTransformer:
             return run
         engines.reset_stats()
         run.engines = run.base = engines
-        if self.family == "flux":
-            run.control, run.control_why = self.state.engines_or_reason(self.ckpt_id, CONTROL)
-            if run.control is not None:
-                run.control.reset_stats()
+        run.control, run.control_why = self.state.engines_or_reason(self.ckpt_id, CONTROL)
+        if run.control is not None:
+            run.control.reset_stats()
         patches = getattr(patcher, "patches", {}) or {}
         run.loras = patch_set(patches)
         if not run.loras:
@@ -216,8 +216,6 @@ class EngineTransformer:
     def _control_reason(self, run: Run, dm: torch.nn.Module) -> str | None:
         """Why a ControlNet call cannot run on the residual-taking engine, or None (with a LoRA:
         that engine refitted to ``dm``'s patched weights first, once per run)."""
-        if self.family != "flux":
-            return "ControlNet residuals on SD3 engines are not supported yet"
         if run.control_refit:
             run.control_refit = False
             run.control, why = self._refitted(run, dm, CONTROL, run.control_base)
@@ -281,7 +279,11 @@ class EngineTransformer:
         engines = run.engines
         if control is not None:  # FLUX.1 with ComfyUI's ControlNet residuals: the residual-taking engine
             try:
-                feed.update(fam.control_feed(dm, control, feed["hidden_states"].shape[1], x.shape[0]))
+                if self.family == "flux":
+                    feed.update(fam.control_feed(dm, control, feed["hidden_states"].shape[1], x.shape[0]))
+                else:
+                    takes = {n for h in run.control.handles for n in getattr(h, "shapes", {})} or None
+                    feed.update(fam.control_feed(dm, control, feed["hidden_states"], x.shape[0], takes))
             except ValueError as exc:
                 self._count_torch(run, str(exc))
                 return in_torch()
@@ -346,20 +348,16 @@ def _context():
 
 def spec_for(transformer: torch.nn.Module, control: bool = False):
     """The engine spec of diffusers' transformer made from ComfyUI's (:func:`.flux.to_diffusers`,
-    :func:`.mmdit.to_diffusers`); ``control``: FLUX.1's taking ControlNet residuals."""
+    :func:`.mmdit.to_diffusers`); ``control``: the one taking ControlNet residuals."""
     if type(transformer).__name__.startswith("Flux"):
         from sd_accel.components.flux import FluxTransformerSpec
         from sd_accel.components.flux.controlnet import FluxControlTransformerSpec
 
         return (FluxControlTransformerSpec if control else FluxTransformerSpec)(FluxFromComfy(transformer))
-    if control:
-        from sd_accel.core import InvalidValue
-
-        raise InvalidValue("the residual-taking transformer exists for FLUX.1 here; SD3's ControlNet calls run in "
-                           "PyTorch")
     from sd_accel.components.sd3 import SD3TransformerSpec
+    from sd_accel.components.sd3.controlnet import SD3ControlTransformerSpec
 
-    return SD3TransformerSpec(StableDiffusion3FromComfy(transformer))
+    return (SD3ControlTransformerSpec if control else SD3TransformerSpec)(StableDiffusion3FromComfy(transformer))
 
 
 class TransformerRefit(Refit):

@@ -55,8 +55,9 @@ class EngineTransformer(EngineModule):
                                                   kwargs.get("controlnet_single_block_samples"),
                                                   bool(kwargs.get("controlnet_blocks_repeat")), hidden_states))
                 elif control:
+                    takes = {n for h in engines.handles for n in getattr(h, "shapes", {})} or None
                     feed.update(sd3_control_residuals(self.torch_module, kwargs["block_controlnet_hidden_states"],
-                                                      hidden_states))
+                                                      hidden_states, takes))
             except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
                 engines.torch_call(f"inputs the engine cannot take ({type(exc).__name__}: {exc})")
             else:

@@ -152,15 +152,20 @@ class EngineSD3ControlNet(EngineControlNet):
         return SD3ControlNetOutput(controlnet_block_samples=samples) if return_dict else (samples,)
 
 
-def sd3_control_residuals(transformer: torch.nn.Module, samples, like: torch.Tensor) -> dict[str, torch.Tensor]:
+def sd3_control_residuals(transformer: torch.nn.Module, samples, like: torch.Tensor,
+                          takes: set[str] | None = None) -> dict[str, torch.Tensor]:
     """``transformer_control``'s residual inputs for an SD3 call's samples: each block's as
-    ``SD3Transformer2DModel`` picks it, zeros (one tensor) where none reaches."""
-    from sd_accel.components.sd3.controlnet import pick, residual_blocks
+    ``SD3Transformer2DModel`` picks it, zeros (one tensor) where none reaches (a last
+    ``context_pre_only`` block: always). ``takes``: the engine's input names (one built before
+    the last block had an input lacks it)."""
+    from sd_accel.components.sd3.controlnet import pick
 
     chosen = pick(samples, transformer)
     zeros = None
     feed = {}
-    for i in residual_blocks(transformer):
+    for i in range(len(transformer.transformer_blocks)):
+        if takes is not None and f"block_{i}" not in takes:
+            continue
         if i in chosen:
             feed[f"block_{i}"] = samples[chosen[i]].float().contiguous()
             continue

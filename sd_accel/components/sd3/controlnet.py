@@ -8,10 +8,12 @@ pipeline passes them; ``timestep``), ``controlnet_cond`` (B2, C, H8, W8): the co
 latents, ``conditioning_scale`` (B2,). Outputs: ``block_0`` .., one per block of the net, (B2, N, D)
 with N = (H8 / p) x (W8 / p) image tokens, already times the scale.
 
-``transformer_control`` takes one residual per block of the transformer that adds one (all but a
-last ``context_pre_only`` block): the runtime picks each block's sample as
-``SD3Transformer2DModel`` does (``int(i / (blocks / samples))``), sums several nets', zeros where
-none reaches: one engine for any net, any number of them, every scale.
+``transformer_control`` takes one residual per block of the transformer, added to the image
+tokens after the block: the runtime picks each block's sample as ``SD3Transformer2DModel`` does
+(``int(i / (blocks / samples))``), sums several nets', zeros where none reaches: one engine for any
+net, any number of them, every scale. diffusers adds none after a ``context_pre_only`` block (the
+last): its input is zeros there; ComfyUI's MMDiT adds ``control["output"][i]`` after every block,
+the last too, and feeds it (:mod:`sd_accel.comfyui.mmdit`).
 
 SD3.5 Large's nets (no text embedder: they share the transformer's position embedding and take
 its embedded tokens) run in torch; their samples still go to ``transformer_control``.
@@ -110,27 +112,38 @@ class SD3ControlNetSpec(ControlNetSpecMixin, SD3TransformerSpec):
 
 
 
+def _adds(residual: torch.Tensor):
+    def hook(_block, _args, out):
+        context, hidden = out
+        return context, hidden + residual
+
+    return hook
+
+
 class _ControlTransformerExport(torch.nn.Module):
     def __init__(self, transformer: torch.nn.Module) -> None:
         super().__init__()
         self.transformer = transformer
-        self.blocks = residual_blocks(transformer)
+        self.pre_only = sorted(set(range(len(transformer.transformer_blocks))) - set(residual_blocks(transformer)))
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, *residuals):
-        # one sample per block: the transformer's interval is 1, block i adds samples[i] (a last
-        # context_pre_only block adds none: a zero placeholder keeps the list as long as the blocks)
-        samples = [torch.zeros_like(residuals[0])] * len(self.transformer.transformer_blocks)
-        for i, r in zip(self.blocks, residuals, strict=True):
-            samples[i] = r
-        out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                               pooled_projections=pooled_projections, timestep=timestep,
-                               block_controlnet_hidden_states=samples, return_dict=False)[0]
+        # one sample per block: the transformer's interval is 1, block i adds samples[i]; a
+        # context_pre_only block's (which diffusers skips) is added by a hook on its output
+        blocks = self.transformer.transformer_blocks
+        hooks = [blocks[i].register_forward_hook(_adds(residuals[i])) for i in self.pre_only]
+        try:
+            out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                   pooled_projections=pooled_projections, timestep=timestep,
+                                   block_controlnet_hidden_states=list(residuals), return_dict=False)[0]
+        finally:
+            for hook in hooks:
+                hook.remove()
         return (out,)
 
 
 class SD3ControlTransformerSpec(SD3TransformerSpec):
     """``pipe.transformer`` of an SD3 ControlNet pipeline with one residual input (``block_{i}``) per
-    block that adds one, after the plain transformer's inputs."""
+    block, after the plain transformer's inputs."""
 
     name = CONTROL_TRANSFORMER
     segment_blocks = None  # (whole: a segment's residual inputs are not cut yet)
@@ -145,7 +158,7 @@ class SD3ControlTransformerSpec(SD3TransformerSpec):
         return "transformer"
 
     def residual_names(self) -> list[str]:
-        return [f"block_{i}" for i in residual_blocks(self.pipe.transformer)]
+        return [f"block_{i}" for i in range(len(self.pipe.transformer.transformer_blocks))]
 
     def inputs(self) -> tuple[TensorSpec, ...]:
         dim = self.pipe.transformer.inner_dim
