@@ -412,3 +412,24 @@ def test_sd3_controlnet_residuals_run_on_the_residual_taking_engine(tmp_path, ca
     line = _report(caplog)
     assert "2 on engines, 0 in PyTorch" in line and "(ControlNet residuals) on engine" in line, line
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_flux_autoencoder_runs_on_engines(tmp_path, caplog):
+    """FLUX.1's / SD3's 16-channel autoencoder (no quant convs) from a VAE loader: the Build node's
+    vae_decoder / vae_encoder build its halves, and the pack's VAE Decode / Encode run them, equal
+    to ComfyUI's own decode and encode."""
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, "flux-schnell", "checkpoints")
+    vae = comfy.sd.VAE(comfy.sd.AutoencoderKL(seed=5, z_channels=16))
+    latent = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    want = vae.decode(latent)
+    comfy.node("SdAccelBuildEngines").build(model, vae=vae, **dict(BUILD, components="vae_decoder+vae_encoder"))
+    caplog.clear()
+    (got,) = comfy.node("SdAccelVAEDecode").decode({"samples": latent}, vae)
+    assert re.search(r"VAE decoder calls: 1 on engines, 0 in PyTorch", caplog.text), caplog.text
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    caplog.clear()
+    (encoded,) = comfy.node("SdAccelVAEEncode").encode(want, vae)
+    assert re.search(r"VAE encoder calls: 1 on engines, 0 in PyTorch", caplog.text), caplog.text
+    torch.testing.assert_close(encoded["samples"], vae.encode(want), atol=2e-3, rtol=2e-3)
+    assert encoded["samples"].shape == (1, 16, 8, 8)

@@ -36,7 +36,7 @@ from sd_accel.profiles import PRESETS, Profile, parse_range
 log = logging.getLogger("sd_accel")
 
 COMPONENT_CHOICES = ("unet", "unet+vae_decoder", "unet+vae_decoder+vae_encoder", "unet+clip+vae_decoder",
-                     "unet+clip+vae_decoder+vae_encoder", "unet+unet_control",  # (FLUX.1: its VAE stays in PyTorch)
+                     "unet+clip+vae_decoder+vae_encoder", "unet+unet_control",
                      "unet+unet_control+vae_decoder+vae_encoder",
                      "unet+unet_control+clip+vae_decoder+vae_encoder", "unet_control", "clip", "vae_decoder",
                      "vae_decoder+vae_encoder")

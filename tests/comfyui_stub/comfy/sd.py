@@ -28,15 +28,19 @@ def _vae_module():
 
 
 class AutoencoderKL(torch.nn.Module):
-    def __init__(self, seed: int = 0):
+    """SD's autoencoder (4 latent channels, quant convs); ``z_channels=16``: FLUX.1's / SD3's
+    (16 channels and no quant convs: ComfyUI's ``use_quant_conv=False``, Identity in their place)."""
+
+    def __init__(self, seed: int = 0, z_channels: int = 4):
         super().__init__()
         mod = _vae_module()
         with torch.random.fork_rng():
             torch.manual_seed(seed + 1)
-            self.encoder = mod.Encoder()
-            self.decoder = mod.Decoder()
-            self.quant_conv = torch.nn.Conv2d(8, 8, 1)
-            self.post_quant_conv = torch.nn.Conv2d(4, 4, 1)
+            self.encoder = mod.Encoder(z_channels=z_channels)
+            self.decoder = mod.Decoder(z_channels=z_channels)
+            quant = z_channels == 4
+            self.quant_conv = torch.nn.Conv2d(8, 8, 1) if quant else torch.nn.Identity()
+            self.post_quant_conv = torch.nn.Conv2d(4, 4, 1) if quant else torch.nn.Identity()
 
     def decode(self, z, **kwargs):
         return self.decoder(self.post_quant_conv(z), **kwargs)
