@@ -433,3 +433,23 @@ def test_flux_autoencoder_runs_on_engines(tmp_path, caplog):
     assert re.search(r"VAE encoder calls: 1 on engines, 0 in PyTorch", caplog.text), caplog.text
     torch.testing.assert_close(encoded["samples"], vae.encode(want), atol=2e-3, rtol=2e-3)
     assert encoded["samples"].shape == (1, 16, 8, 8)
+
+
+def test_flux_text_encoders_run_on_engines(tmp_path, caplog):
+    """FLUX.1's CLIP (a DualCLIPLoader's clip_l + t5xxl): the Build node's ``clip`` builds an engine
+    for each (ComfyUI's T5 on ``comfy_t5``, its CLIP-L on ``comfy_clip``), and the pack's text-encode
+    node runs both, equal to ComfyUI's own conditioning and pooled row."""
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, "flux-schnell", "checkpoints")
+    clip = comfy.sd.CLIP(seed=4, flux=True)
+    with torch.inference_mode():
+        ((want, extra),) = clip.encode_from_tokens_scheduled(clip.tokenize("a red cube on a table"))
+    assert want.shape[1] == 256  # T5's tokens, padded as ComfyUI's T5 tokenizer pads them
+    _, report = comfy.node("SdAccelBuildEngines").build(model, clip=clip, **dict(BUILD, components="clip", text="256"))
+    assert "t5xxl" in report and "clip_l" in report, report
+    caplog.clear()
+    ((got, got_extra),) = comfy.node("SdAccelCLIPTextEncode").encode(clip, "a red cube on a table")[0]
+    assert "text encoder t5xxl calls: 1 on engines, 0 in PyTorch" in caplog.text, caplog.text
+    assert "text encoder clip_l calls: 1 on engines, 0 in PyTorch" in caplog.text, caplog.text
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got_extra["pooled_output"], extra["pooled_output"], atol=2e-3, rtol=2e-3)

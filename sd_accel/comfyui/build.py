@@ -139,6 +139,7 @@ def transformer_part(patcher, st: State, control: bool = False) -> Part:
 def clip_parts(clip, st: State) -> list[Part]:
     from sd_accel.comfyui.clip import clip_weights_id, encoders, patched
     from sd_accel.components.comfy_clip import ComfyClipSpec
+    from sd_accel.components.comfy_t5 import ComfyT5Spec, is_comfy_t5
 
     found = encoders(clip)
     if not found:
@@ -149,8 +150,8 @@ def clip_parts(clip, st: State) -> list[Part]:
         if patched(clip, name):
             raise InvalidValue(f"the CLIP's {name} carries LoRA patches: build from the CLIP before the LoRA "
                                "loaders (a patched text encoder runs in PyTorch)")
-        parts.append(Part("clip", ComfyClipSpec(module), clip_weights_id(clip, name, module, st), module,
-                          {"encoder": name}))
+        spec = ComfyT5Spec(module) if is_comfy_t5(module) else ComfyClipSpec(module)
+        parts.append(Part("clip", spec, clip_weights_id(clip, name, module, st), module, {"encoder": name}))
     return parts
 
 

@@ -10,6 +10,10 @@ projection) as ComfyUI's forward does; what the engine cannot take (attention ma
 without embeddings, more chunks than any profile covers) runs ComfyUI's forward, counted and
 said once. An encoder whose LoRA patches ComfyUI writes into its weights runs in PyTorch (said
 once): the engine holds the file's weights and is never used with others.
+
+FLUX.1's and SD3's ``t5xxl`` (ComfyUI's ``T5``) the same way, on its ``comfy_t5`` engine
+(:mod:`sd_accel.components.comfy_t5`): ``embeds`` in, the last layer out; a call with an attention
+mask or an intermediate layer runs ComfyUI's forward.
 """
 
 from __future__ import annotations
@@ -24,19 +28,21 @@ import torch
 from sd_accel.comfyui.identity import checkpoint_id
 from sd_accel.comfyui.state import State, state
 from sd_accel.components.comfy_clip import COMPONENT, is_comfy_clip
+from sd_accel.components.comfy_t5 import COMPONENT as T5_COMPONENT
+from sd_accel.components.comfy_t5 import is_comfy_t5
 
 log = logging.getLogger("sd_accel")
 
 
 def encoders(clip) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of each of ComfyUI's CLIP text models in a CLIP (``clip_l``; SDXL's
-    ``clip_l`` and ``clip_g``; SD 2.x's ``clip_h``)."""
+    ``clip_l`` and ``clip_g``; SD 2.x's ``clip_h``) and T5s (FLUX.1's / SD3's ``t5xxl``)."""
     root = getattr(clip, "cond_stage_model", None)
     if root is None:
         return []
     out = []
     for name, module in root.named_modules():
-        if name and is_comfy_clip(module):
+        if name and (is_comfy_clip(module) or is_comfy_t5(module)):
             out.append((name.removesuffix(".transformer"), module))
     return out
 
@@ -103,6 +109,30 @@ class ClipForward:
         return last, hidden, projected, pooled
 
 
+class T5Forward(ClipForward):
+    """The instance ``forward`` of one ComfyUI ``T5`` while the node runs."""
+
+    def __call__(self, input_ids=None, attention_mask=None, embeds=None, num_tokens=None, intermediate_output=None,
+                 **kwargs):
+        args = (input_ids, attention_mask)
+        kw = dict(embeds=embeds, num_tokens=num_tokens, intermediate_output=intermediate_output, **kwargs)
+        if embeds is None:
+            return self._torch("token ids without embeddings", args, kw)
+        if attention_mask is not None:
+            return self._torch("attention masks are not in the engine", args, kw)
+        if intermediate_output is not None:
+            return self._torch(f"intermediate_output={intermediate_output!r} is not served", args, kw)
+        out = self.engines.run({"embeds": embeds.float()}, need=("last",))
+        if out is None:  # counted by the engines
+            return self.original(*args, **kw)
+        return out["last"].to(embeds.device, torch.float32, copy=True), None
+
+
+def component_of(module: torch.nn.Module) -> str:
+    """The engine component of one of :func:`encoders`' modules."""
+    return T5_COMPONENT if is_comfy_t5(module) else COMPONENT
+
+
 @contextlib.contextmanager
 def on_engines(clip, st: State | None = None) -> Iterator[list[tuple[str, Any]]]:
     """The CLIP's text encoders on engines for the block; yields (name, engines) of those that have
@@ -117,14 +147,16 @@ def on_engines(clip, st: State | None = None) -> Iterator[list[tuple[str, Any]]]
                 st.say_once(f"the text encoder {name} carries LoRA patches: it runs in PyTorch (its engine holds "
                             "the checkpoint's weights)")
                 continue
-            engines, why = st.engines_or_reason(wid, COMPONENT)
+            component = component_of(module)
+            engines, why = st.engines_or_reason(wid, component)
             if engines is None:
-                st.say_once(f"no {COMPONENT} engine for {wid} ({why or 'none built'}): the text encoder runs in "
+                st.say_once(f"no {component} engine for {wid} ({why or 'none built'}): the text encoder runs in "
                             "PyTorch")
                 continue
             engines.reset_stats()
             previous = module.__dict__.get("forward")
-            module.__dict__["forward"] = ClipForward(module, engines, previous if callable(previous) else None)
+            kind = T5Forward if component == T5_COMPONENT else ClipForward
+            module.__dict__["forward"] = kind(module, engines, previous if callable(previous) else None)
             swapped.append((module, previous))
             used.append((name, engines))
         yield used
@@ -159,4 +191,5 @@ def encode(clip, text: str, st: State | None = None):
     return conditioning
 
 
-__all__ = ["ClipForward", "clip_weights_id", "encode", "encoders", "on_engines", "patched"]
+__all__ = ["ClipForward", "T5Forward", "clip_weights_id", "component_of", "encode", "encoders", "on_engines",
+           "patched"]

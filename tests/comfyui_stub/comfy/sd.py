@@ -71,12 +71,18 @@ class CLIP:
     ``encode_from_tokens`` (the patches written into the weights first, as ``load_model`` does),
     ``clip_layer`` (CLIPSetLastLayer), ``clone``; ``encode(text)`` is the tests' shortcut."""
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, flux: bool = False):
+        self.flux = flux
         if seed is None:
             return
         with torch.random.fork_rng():
             torch.manual_seed(seed + 2)
-            model = SD1ClipModel().eval()
+            if flux:  # FLUX.1's CLIP (DualCLIPLoader type flux: clip_l + t5xxl)
+                from comfy.text_encoders.flux import FluxClipModel
+
+                model = FluxClipModel().eval()
+            else:
+                model = SD1ClipModel().eval()
             for name, p in model.named_parameters():
                 if "embedding" in name:
                     p.data.normal_(0, 0.02)
@@ -91,6 +97,7 @@ class CLIP:
         n.patcher = self.patcher.clone()
         n.layer_idx = self.layer_idx
         n.embeddings = self.embeddings
+        n.flux = self.flux
         return n
 
     def clip_layer(self, layer_idx):
@@ -100,6 +107,10 @@ class CLIP:
         return self.patcher.add_patches(patches, strength_patch, strength_model)
 
     def tokenize(self, text: str):
+        if self.flux:
+            from comfy.text_encoders.flux import tokenize
+
+            return tokenize(text, self.embeddings)
         return sd1_clip.tokenize(text, self.embeddings)
 
     def encode_from_tokens(self, tokens, return_pooled=False):
