@@ -376,7 +376,8 @@ def test_app_img2img_sends_the_init_image_and_refuses_a_bad_one_before_the_backe
     Image.new("RGB", (16, 16), "red").save(buffer, "PNG")
     image = base64.b64encode(buffer.getvalue()).decode("ascii")
     for body in ({"prompt": "x"}, {"prompt": "x", "init_images": ["bm90IGFuIGltYWdl"]},
-                 {"prompt": "x", "init_images": [image], "mask": image}):
+                 {"prompt": "x", "init_images": [image], "mask": image},
+                 {"prompt": "x", "init_images": [image], "steps": "20"}):  # (a txt2img field: named as img2img's)
         r = c.post("/sdapi/v1/img2img", json=body)
         assert r.status_code == 422 and "img2img field" in r.json()["detail"], (body, r.json())
     assert backend.calls == []

@@ -73,7 +73,7 @@ def parse_img2img(body: Any) -> Txt2ImgRequest:
                            "width x height (the WebUI's 0, \"Just resize\"); leave it out or send 0")
     for name in QUIET:
         rest.pop(name, None)
-    request = parse_txt2img(rest)
+    request = parse_txt2img(rest, route="img2img")
     return dataclasses.replace(request, init_image=decode_image(images[0]), strength=float(strength),
                                body=dict(body, init_images=["<image>"]))
 

@@ -78,7 +78,7 @@ TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
 MAX_DEPTH = 32
 
 
-def check_json(body: Any, max_depth: int = MAX_DEPTH) -> None:
+def check_json(body: Any, max_depth: int = MAX_DEPTH, route: str = "txt2img") -> None:
     """Refuse (``InvalidValue`` naming the field) nesting deeper than ``max_depth`` and numbers JSON
     cannot carry back (NaN, Infinity: Python's reader takes them, the answer's writer refuses them).
 
@@ -88,10 +88,10 @@ def check_json(body: Any, max_depth: int = MAX_DEPTH) -> None:
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidValue(f"txt2img field {path or '(body)'}={value} is not valid; allowed: a finite number")
+            raise InvalidValue(f"{route} field {path or '(body)'}={value} is not valid; allowed: a finite number")
         if isinstance(value, dict | list):
             if depth >= max_depth:
-                raise InvalidValue(f"txt2img field {path or '(body)'} nests deeper than {max_depth} levels; "
+                raise InvalidValue(f"{route} field {path or '(body)'} nests deeper than {max_depth} levels; "
                                    "no WebUI field needs that")
             if isinstance(value, dict):
                 stack.extend((v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in value.items())
@@ -99,14 +99,14 @@ def check_json(body: Any, max_depth: int = MAX_DEPTH) -> None:
                 stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
 
 
-def _check_types(body: dict[str, Any]) -> None:
+def _check_types(body: dict[str, Any], route: str = "txt2img") -> None:
     for name, (allowed, types) in TYPES.items():
         if name not in body:
             continue
         value = body[name]
         # JSON true is a Python int: only send_images takes it.
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise InvalidValue(f"txt2img field {name}={_short(value)} is not valid; allowed: {allowed}")
+            raise InvalidValue(f"{route} field {name}={_short(value)} is not valid; allowed: {allowed}")
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -141,24 +141,24 @@ class Txt2ImgRequest:
         return request
 
 
-def _always_on(body: dict[str, Any]) -> tuple[ControlUnit, ...]:
+def _always_on(body: dict[str, Any], route: str = "txt2img") -> tuple[ControlUnit, ...]:
     """The ControlNet units of ``alwayson_scripts``; any other script that has arguments is refused
     by name (it would change the image in a way sd-accel does not)."""
     scripts = body.get("alwayson_scripts")
     if scripts in (None, {}):
         return ()
     if not isinstance(scripts, dict):
-        raise InvalidValue(f"txt2img field alwayson_scripts={_short(scripts)} is not valid; allowed: an object "
+        raise InvalidValue(f"{route} field alwayson_scripts={_short(scripts)} is not valid; allowed: an object "
                            'of scripts, e.g. {"controlnet": {"args": [unit, ...]}}')
     for name, script in scripts.items():
         args = script.get("args") if isinstance(script, dict) else script
         if name.lower() != "controlnet" and args not in (None, [], {}):
-            raise InvalidValue(f"txt2img field alwayson_scripts.{name} is not supported by sd-accel serve (of the "
+            raise InvalidValue(f"{route} field alwayson_scripts.{name} is not supported by sd-accel serve (of the "
                                "always-on scripts only controlnet is); leave it out")
     return tuple(parse_controlnet_units({k.lower(): v for k, v in scripts.items()}))
 
 
-def parse_txt2img(body: Any) -> Txt2ImgRequest:
+def parse_txt2img(body: Any, route: str = "txt2img") -> Txt2ImgRequest:
     """Map a WebUI txt2img body onto ``GenerationParams``; ``InvalidValue`` names the bad field.
 
     >>> parse_txt2img({"prompt": "a cat", "width": 100}).params
@@ -167,16 +167,16 @@ def parse_txt2img(body: Any) -> Txt2ImgRequest:
     sd_accel.core.InvalidValue: GenerationParams.width=100 is not valid; allowed: a multiple of 8 from 8 to 4096, or None for the model's default
     """
     if not isinstance(body, dict):
-        raise InvalidValue(f"the txt2img body must be a JSON object, got {type(body).__name__}")
-    check_json(body)
-    _check_types(body)
+        raise InvalidValue(f"the {route} body must be a JSON object, got {type(body).__name__}")
+    check_json(body, route=route)
+    _check_types(body, route)
     for name, harmless in REFUSED_UNLESS.items():
         if name in body and body[name] not in harmless:
             raise InvalidValue(
-                f"txt2img field {name}={_short(body[name])} is not supported by sd-accel serve; leave it out "
+                f"{route} field {name}={_short(body[name])} is not supported by sd-accel serve; leave it out "
                 "or set it to " + " / ".join(json.dumps(v) for v in harmless)
             )
-    control = _always_on(body)
+    control = _always_on(body, route)
     kwargs = {dst: body.get(src, DEFAULTS.get(src)) for src, dst in FIELDS.items()
               if src in body or src in DEFAULTS}
     if "sampler_name" not in body and body.get("sampler_index"):
@@ -184,23 +184,23 @@ def parse_txt2img(body: Any) -> Txt2ImgRequest:
     schedule = body.get("scheduler")
     if schedule not in (None, "", "Automatic", "automatic"):
         if not kwargs.get("sampler"):
-            raise InvalidValue(f"txt2img field scheduler={schedule!r} needs a sampler_name to go with it")
+            raise InvalidValue(f"{route} field scheduler={schedule!r} needs a sampler_name to go with it")
         from sd_accel.samplers import resolve
 
         if not isinstance(schedule, str):
-            raise InvalidValue(f"txt2img field scheduler={schedule!r} must be a schedule name such as 'Karras'")
+            raise InvalidValue(f"{route} field scheduler={schedule!r} must be a schedule name such as 'Karras'")
         kwargs["sampler"] = resolve(str(kwargs["sampler"]), schedule).name
     if kwargs.get("negative_prompt") == "":
         kwargs["negative_prompt"] = None
     params = GenerationParams(**kwargs)
     n_iter = body.get("n_iter", 1)
     if isinstance(n_iter, bool) or not isinstance(n_iter, int) or not 1 <= n_iter <= MAX_BATCH:
-        raise InvalidValue(f"txt2img field n_iter={n_iter!r} is not valid; allowed: an integer from 1 to {MAX_BATCH}")
+        raise InvalidValue(f"{route} field n_iter={n_iter!r} is not valid; allowed: an integer from 1 to {MAX_BATCH}")
     if params.batch * n_iter > MAX_BATCH:
         raise InvalidValue(f"batch_size x n_iter = {params.batch * n_iter} images; at most {MAX_BATCH} per request")
     send = body.get("send_images", True)
     if not isinstance(send, bool):
-        raise InvalidValue(f"txt2img field send_images={send!r} must be true or false")
+        raise InvalidValue(f"{route} field send_images={send!r} must be true or false")
     params = dataclasses.replace(params, batch=params.batch * n_iter, seed=params.resolved_seed())
     ignored = tuple(sorted(k for k in body if k not in FIELDS and k not in QUIET and k not in REFUSED_UNLESS))
     return Txt2ImgRequest(params, params.batch // n_iter, n_iter, send, dict(body), ignored, control)
