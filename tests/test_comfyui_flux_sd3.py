@@ -453,3 +453,24 @@ def test_flux_text_encoders_run_on_engines(tmp_path, caplog):
     assert "text encoder clip_l calls: 1 on engines, 0 in PyTorch" in caplog.text, caplog.text
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got_extra["pooled_output"], extra["pooled_output"], atol=2e-3, rtol=2e-3)
+
+
+def test_a_refit_that_would_not_fit_runs_in_pytorch_before_copying(tmp_path, caplog, monkeypatch):
+    """A LoRA refit of a transformer engine first makes a float32 copy of ComfyUI's patched weights
+    (48 GB at FLUX.1's real size): where that copy and the engine would not fit, the run goes on in
+    PyTorch with the reason, before anything is copied, and ComfyUI's result is its own."""
+    import sd_accel.refit
+
+    comfy = harness.start(tmp_path)
+    model = _load(comfy, tmp_path, "flux-schnell", "checkpoints")
+    positive, negative = _conds("flux-schnell")
+    applied, _ = comfy.node("SdAccelBuildEngines").build(model, **BUILD)
+    lora = _lora(model, seed=3)
+    want = comfy.sample_dit(_with_loras(model, [(lora, 1.0)]), positive, negative)
+    monkeypatch.setattr(sd_accel.refit, "available_memory", lambda: 1 << 20)
+    caplog.clear()
+    got = comfy.sample_dit(_with_loras(applied, [(lora, 1.0)]), positive, negative)
+    line = _report(caplog)
+    assert "0 on engines, 2 in PyTorch" in line and "not enough memory to refit" in line, line
+    assert "a float32 copy of the patched transformer and the engine need" in caplog.text  # said in full once
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
