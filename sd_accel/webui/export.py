@@ -68,6 +68,9 @@ def export_source(model=None) -> ExportSource:
 
     model = model if model is not None else host.sd_model()
     unet = host.loaded_unet(model)
+    why = host.not_on_engines(unet)
+    if why is not None:
+        raise host.NotOnEngines(why)
     info = host.checkpoint_info(model)
     patcher = host.forge_unet_patcher(model)
     loras = forge_loras(patcher) if patcher is not None else merged_loras(unet)

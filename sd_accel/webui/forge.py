@@ -190,6 +190,10 @@ def patch_for_sampling(p, ctl: Controller | None = None) -> bool:
     if ctl.job.torch_only:
         ctl.note(f"this job runs the UNet in PyTorch: {ctl.job.torch_only}")
         return False
+    why = host.not_on_engines(patcher.model.diffusion_model)
+    if why is not None:
+        ctl.say_once(why)
+        return False
     ckpt = checkpoint_hash(host.checkpoint_info(p.sd_model))
     if ckpt is None:
         return False

@@ -95,6 +95,32 @@ def loaded_unet(model=None) -> torch.nn.Module:
     return getattr(unet, "torch_unet", unet)
 
 
+# The WebUIs' own transformer-family models, by class name (what their diffusion_model is): Forge 2's
+# FLUX.1, Chroma and SD3 / SD3.5, A1111 1.10's SD3.
+_TRANSFORMERS = {"IntegratedFluxTransformer2DModel": "FLUX.1", "IntegratedChromaTransformer2DModel": "Chroma",
+                 "MMDiTX": "SD3 / SD3.5", "MMDiT": "SD3"}
+
+
+class NotOnEngines(NoModel):
+    """The loaded model is of a family sd-accel does not put on engines inside the WebUI."""
+
+
+def transformer_family(unet: torch.nn.Module) -> str | None:
+    """``FLUX.1``, ``SD3 / SD3.5`` ... where the WebUI's diffusion model is a transformer family's
+    (not an LDM UNet), else None."""
+    return _TRANSFORMERS.get(type(getattr(unet, "torch_unet", unet)).__name__)
+
+
+def not_on_engines(unet: torch.nn.Module) -> str | None:
+    """What to tell a user whose loaded model is a transformer family's, or None."""
+    family = transformer_family(unet)
+    if family is None:
+        return None
+    return (f"the loaded model is {family} ({type(unet).__name__}): sd-accel does not run {family} on engines "
+            "inside the WebUI yet, so it runs in the WebUI's own PyTorch. For it on engines use sd-accel's ComfyUI "
+            "pack, `sd-accel generate` (or load_pipeline + accelerate) or `sd-accel serve`")
+
+
 def checkpoint_info(model=None):
     """``sd_model.sd_checkpoint_info`` (``modules.sd_models.CheckpointInfo``)."""
     return (model if model is not None else sd_model()).sd_checkpoint_info

@@ -239,7 +239,10 @@ def _model_lines() -> list[str]:
     model = host.loaded_model()
     if model is None:
         return [host.NO_MODEL_FORGE if host.is_forge() else host.NO_MODEL_A1111]
-    source = export_source(model)
+    try:
+        source = export_source(model)
+    except host.NotOnEngines as exc:
+        return [str(exc)]
     records = ctl.records_for_checkpoint(source.ckpt_hash, component=None)
     unet = [r for r in records if r.key.model == source.weights_id and r.key.component == "ldm_unet"]
     others = {}
