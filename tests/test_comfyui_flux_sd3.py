@@ -473,4 +473,7 @@ def test_a_refit_that_would_not_fit_runs_in_pytorch_before_copying(tmp_path, cap
     line = _report(caplog)
     assert "0 on engines, 2 in PyTorch" in line and "not enough memory to refit" in line, line
     assert "a float32 copy of the patched transformer and the engine need" in caplog.text  # said in full once
+    refit_line = line.splitlines()[1]  # (not "on engine ... refitted": the calls ran in PyTorch)
+    assert "flux transformer engine" in refit_line and "not refitted for" in refit_line, line
+    assert "on engine" not in refit_line, line
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -197,7 +197,7 @@ class EngineTransformer:
         else:
             refit.bind(dm, None, _check(patcher), _context)  # a profile first called now refits from this run's weights
         what = f"{self.family} transformer" + (" (ControlNet residuals)" if component == CONTROL else "")
-        run.lines.append(lambda: refit.line(made_now).replace("UNet on engine", f"{what} on engine", 1))
+        run.lines.append(lambda: refit.line(made_now).replace("UNet ", f"{what} ", 1))
         refit.engines.reset_stats()
         return refit.engines, None
 

@@ -107,6 +107,9 @@ class Refit:
         seconds = self.seconds
         fresh, self._seen = seconds - self._seen, seconds
         done = sum(p.done for p in self.pending())
+        failed = [p.why for p in self.pending() if p.why and not p.done]
+        if failed and not done:  # (not "refitted": every profile's refit failed, the calls ran in PyTorch)
+            return f"UNet engine {names} not refitted for {lora_text(self.loras)}: {failed[0]}"
         if fresh > 0:
             how = f"{fresh:.1f} s"
         elif made_now and not done:
