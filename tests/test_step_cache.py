@@ -198,3 +198,33 @@ def test_without_engines_it_says_so(caplog):
     with caplog.at_level(logging.WARNING, logger="sd_accel"):
         pipe = accelerate(load_pipeline("builtin:tiny-flux"), step_cache=0.1)
     assert pipe.sd_accel.step_cache is None and "not on engines" in caplog.text
+
+
+def test_the_picture_gate_refuses_or_keeps_it(step_cache_engines, caplog):
+    from sd_accel.generate import GenerationParams, check_step_cache
+    from sd_accel.validate import STEP_CACHE_PSNR
+
+    params = GenerationParams(prompt="a cat", steps=STEPS, cfg=0.0, width=64, height=64, seed=1)
+    extra = {"max_sequence_length": 64}
+    pipe = _pipe("builtin:tiny-flux", step_cache_engines, HUGE)
+    kept = check_step_cache(pipe, params, gate=0.0, extra=extra)
+    assert kept.ok and kept.cached == STEPS - 3 and kept.calls == STEPS and kept.gate == 0.0
+    assert pipe.transformer.step_cache is not None and pipe.sd_accel.step_cache == HUGE
+    assert kept.summary()["cached_calls"] == STEPS - 3 and kept.psnr < 60  # (the cache changed the picture)
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        refused = check_step_cache(pipe, params, gate=kept.psnr + 1, extra=extra)
+    assert not refused.ok and "below the picture gate" in caplog.text
+    assert pipe.transformer.step_cache is None and pipe.sd_accel.step_cache is None  # turned off
+    assert check_step_cache(pipe, params, 0.0, extra=extra).psnr == float("inf")  # nothing cached: the same picture
+    assert STEP_CACHE_PSNR == 35.0
+    with pytest.raises(InvalidValue, match="no step cache to check"):
+        check_step_cache(accelerate(load_pipeline("builtin:tiny-flux")), params)
+
+
+def test_cli_flags(capsys):
+    from sd_accel.cli import main
+
+    assert main(["generate", "--step-cache", "-1", "--model", "builtin:tiny-flux"]) == 2
+    assert "step_cache" in capsys.readouterr().err
+    assert main(["generate", "--step-cache-check", "--model", "builtin:tiny-flux"]) == 2
+    assert "--step-cache-check needs --step-cache" in capsys.readouterr().err

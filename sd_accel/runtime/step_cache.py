@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sd_accel.components.segments import FIRST_RESIDUAL
+from sd_accel.core import InvalidValue
 
 log = logging.getLogger("sd_accel")
 
@@ -52,9 +53,9 @@ class StepCacheRule:
     def __post_init__(self) -> None:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float) \
                 or not math.isfinite(self.threshold) or self.threshold < 0:
-            raise ValueError(f"step cache threshold {self.threshold!r}: a finite number >= 0")
+            raise InvalidValue(f"step cache threshold {self.threshold!r}: a finite number >= 0")
         if self.full_first < 1 or self.full_last < 1:
-            raise ValueError("a step cache computes at least the first and the last step in full")
+            raise InvalidValue("a step cache computes at least the first and the last step in full")
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ class StepCache:
         self._streams: dict[tuple, _Stream] = {}
         self._generation: int | None = None
         self._said: set[str] = set()
+        # the first block's relative change at each call of this generation that had one to compare
+        # (step index, change): what a threshold would have to be to cache that step
+        self.changes: list[tuple[int, float]] = []
 
     def reset(self) -> None:
         """Forget every stream (the next call of each is computed in full)."""
@@ -150,6 +154,7 @@ class StepCache:
     def _stream(self, key: tuple, where: StepPosition) -> _Stream:
         if where.generation != self._generation:
             self._streams.clear()
+            self.changes = []
             self._generation = where.generation
         stream = self._streams.pop(key, None) or _Stream()
         self._streams[key] = stream  # (most recent last)
@@ -175,10 +180,13 @@ class StepCache:
         head = runner.run_links(feed, 0, 1)
         first = head[FIRST_RESIDUAL]
         hidden = head["hidden"]
-        reuse = (stream.first is not None and stream.rest is not None and stream.first.shape == first.shape
-                 and where.index >= self.rule.full_first and where.index < where.total - self.rule.full_last
-                 and stream.last_index is not None and where.index == stream.last_index + 1
-                 and relative_change(first, stream.first) < self.rule.threshold)
+        change = None
+        if stream.first is not None and stream.rest is not None and stream.first.shape == first.shape:
+            change = relative_change(first, stream.first)
+            self.changes.append((where.index, round(change, 5)))
+        reuse = (change is not None and change < self.rule.threshold
+                 and self.rule.full_first <= where.index < where.total - self.rule.full_last
+                 and stream.last_index is not None and where.index == stream.last_index + 1)
         if reuse:
             state = runner.run_links({**head, "hidden": hidden + stream.rest}, len(links) - 1, len(links))
         else:
