@@ -228,3 +228,56 @@ def test_cli_flags(capsys):
     assert "step_cache" in capsys.readouterr().err
     assert main(["generate", "--step-cache-check", "--model", "builtin:tiny-flux"]) == 2
     assert "--step-cache-check needs --step-cache" in capsys.readouterr().err
+
+
+class _StubChain:
+    """A chained runner of three links whose first gives a fixed residual: what the rule reads."""
+
+    def __init__(self) -> None:
+        from sd_accel.backends.chain import ChainLink
+
+        self.links = [ChainLink("seg00", (), {}, ("x",), ("hidden_next", FIRST_RESIDUAL), ("hidden", FIRST_RESIDUAL)),
+                      ChainLink("seg01", (), {}, ("hidden",), ("hidden_next",), ("hidden",)),
+                      ChainLink("seg02", (), {}, ("hidden",), ("latent",), ("latent",))]
+        self.ran: list[int] = []
+        self.shapes = {}
+
+    def run_links(self, state: dict, start: int, stop: int) -> dict:
+        state = dict(state)
+        for k in range(start, stop):
+            self.ran.append(k)
+            if k == 0:
+                state.update(hidden=state["x"] + 1, first_residual=torch.ones(2))
+            elif k == 1:
+                state["hidden"] = state["hidden"] * 10
+            else:
+                state["latent"] = state["hidden"] - 1
+        return state
+
+    def infer(self, feed: dict) -> dict:
+        return {"latent": self.run_links(feed, 0, 3)["latent"]}
+
+
+def test_the_rule_on_a_stub_chain(caplog):
+    from sd_accel.runtime.step_cache import StepCache, StepPosition
+
+    where = {"pos": None}
+    cache = StepCache(StepCacheRule(0.5), lambda: where["pos"])
+    chain, feed = _StubChain(), {"x": torch.zeros(2)}
+    with caplog.at_level(logging.WARNING, logger="sd_accel"):
+        cache.infer(chain, feed, ("a",))
+        cache.infer(chain, feed, ("a",))
+    assert caplog.text.count("does not say which step") == 1 and cache.stats.calls == 0  # (said once, run whole)
+    outs = []
+    for i in range(5):
+        where["pos"] = StepPosition(i, 5, 1)
+        chain.ran.clear()
+        outs.append(cache.infer(chain, feed, ("a",))["latent"])
+        assert chain.ran == ([0, 2] if 2 <= i < 4 else [0, 1, 2]), (i, chain.ran)  # first 2 and the last: full
+    assert all(torch.equal(o, outs[0]) for o in outs)  # (an unchanging residual: the cached result is exact)
+    assert cache.stats.calls == 5 and cache.stats.cached == 2
+    assert cache.stats.last_generation == {"calls": 5, "cached": 2}
+    where["pos"] = StepPosition(2, 5, 2)  # a new schedule: nothing to reuse at first
+    chain.ran.clear()
+    cache.infer(chain, feed, ("a",))
+    assert chain.ran == [0, 1, 2]
