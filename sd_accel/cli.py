@@ -166,6 +166,10 @@ def _component_use(pipe) -> dict[str, str]:
         use[name] = "+".join(kinds) or "unused"
         if s["fallbacks"]:
             use[name] += " (" + "; ".join(s["fallbacks"]) + ")"
+        cached = s.get("step_cache")
+        if cached and cached.get("calls"):  # (--step-cache: the last generation's calls that reused the residual)
+            last = cached.get("last_generation") or cached
+            use[name] += f", step cache: {last['cached']} of {last['calls']} calls cached"
     return use
 
 

@@ -162,6 +162,7 @@ def test_flux_true_cfg_keeps_one_cache_per_prompt(step_cache_engines):
     got = _run(pipe, **more)
     s = stats(pipe)["transformer"]["step_cache"]
     assert s["calls"] == 2 * STEPS and s["cached"] == 2 * (STEPS - 3), s
+    assert s["last_generation"] == {"calls": 2 * STEPS, "cached": 2 * (STEPS - 3)}
     ref_pipe = accelerate(load_pipeline("builtin:tiny-flux"), precision="fp32")
     reference = ReferenceStepCache(ref_pipe, HUGE, STEPS)
     ref_pipe.transformer.forward = reference
@@ -281,3 +282,27 @@ def test_the_rule_on_a_stub_chain(caplog):
     chain.ran.clear()
     cache.infer(chain, feed, ("a",))
     assert chain.ran == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_cli_build_and_generate_with_the_step_cache(tmp_path, capsys):
+    """`sd-accel build --step-cache`, then `generate --step-cache --step-cache-check` on it."""
+    import json
+
+    from sd_accel.cli import main
+
+    engines = str(tmp_path / "engines")
+    assert main(["build", "--model", "builtin:tiny-flux", "--static", "--height", "64", "--width", "64",
+                 "--text", "512", "--components", "transformer", "--backend", "onnxruntime", "--precision", "fp32",
+                 "--step-cache", "--engine-dir", engines, "--json"]) == 0
+    built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ".fbc3-" in built["engines"][0]["name"]
+    out = tmp_path / "img.png"
+    assert main(["generate", "--model", "builtin:tiny-flux", "--engines", "--engine-dir", engines, "--backend",
+                 "onnxruntime", "--precision", "fp32", "--size", "64x64", "--steps", "6", "--step-cache", "1000",
+                 "--step-cache-check", "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    check = report["step_cache_check"]
+    assert check["cached_calls"] == 3 and check["calls"] == 6 and check["gate_db"] == 35.0, check
+    assert "step cache: 3 of 6 calls cached" in report["components"]["transformer"] or not check["ok"]
+    assert report["step_cache"] == (1000 if check["ok"] else None) and out.exists()

@@ -100,8 +100,6 @@ def stream_key(hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
 
 @dataclass
 class _Stream:
-    calls: int = 0
-    cached: int = 0
     first: torch.Tensor | None = None  # the first block's residual at the last step computed in full
     rest: torch.Tensor | None = None  # the other blocks' residual then
     last_index: int | None = None
@@ -133,11 +131,13 @@ class StepCache:
         # the first block's relative change at each call of this generation that had one to compare
         # (step index, change): what a threshold would have to be to cache that step
         self.changes: list[tuple[int, float]] = []
+        self._generation_counts = {"calls": 0, "cached": 0}  # every stream's, this generation
 
     def reset(self) -> None:
         """Forget every stream (the next call of each is computed in full)."""
         self._streams.clear()
         self._generation = None
+        self._generation_counts = {"calls": 0, "cached": 0}
 
     def say_once(self, key: str, message: str, *args) -> None:
         if key not in self._said:
@@ -155,6 +155,7 @@ class StepCache:
         if where.generation != self._generation:
             self._streams.clear()
             self.changes = []
+            self._generation_counts = {"calls": 0, "cached": 0}
             self._generation = where.generation
         stream = self._streams.pop(key, None) or _Stream()
         self._streams[key] = stream  # (most recent last)
@@ -196,14 +197,15 @@ class StepCache:
             stream.first, stream.rest = first.clone(), rest
         out = {name: state[given] for name, given in zip(links[-1].outputs, links[-1].gives, strict=True)}
         stream.last_index = where.index
-        stream.calls += 1
-        stream.cached += int(reuse)
         self.stats.calls += 1
         self.stats.cached += int(reuse)
-        if where.index == where.total - 1:
-            self.stats.last_generation = {"calls": stream.calls, "cached": stream.cached}
+        counts = self._generation_counts
+        counts["calls"] += 1
+        counts["cached"] += int(reuse)
+        if where.index == where.total - 1:  # (with several streams, each one's last call: the totals so far)
+            self.stats.last_generation = dict(counts)
             log.info("step cache (threshold %g): %d of %d transformer calls of this generation reused the cached "
-                     "residual", self.rule.threshold, stream.cached, stream.calls)
+                     "residual", self.rule.threshold, counts["cached"], counts["calls"])
         return out
 
 

@@ -13,6 +13,7 @@ call goes first to the engines cut for it (:mod:`sd_accel.runtime.step_cache`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,14 +71,18 @@ class EngineTransformer(EngineModule):
                 # the engines ComfyUI built from the same file (:mod:`sd_accel.models.source`) take
                 # what this module's own do not cover, counted as this module's
                 shared = self.shared.get("transformer")
+
+                def plain() -> dict[str, torch.Tensor] | None:
+                    if shared is not None and not control and not engines.covering(feed) and shared.covering(feed):
+                        return shared.run(feed, need=("latent",))
+                    return engines.run(feed, need=("latent",))
+
                 cache = self.step_cache
                 if cache is not None and not control:
                     out = self._run_cached(cache, engines, feed, stream_key(hidden_states, encoder_hidden_states,
-                                                                           pooled_projections))
-                elif shared is not None and not control and not engines.covering(feed) and shared.covering(feed):
-                    out = shared.run(feed, need=("latent",))
+                                                                           pooled_projections), plain)
                 else:
-                    out = engines.run(feed, need=("latent",))
+                    out = plain()
         if out is None and self.step_cache is not None:
             self.step_cache.interrupted(stream_key(hidden_states, encoder_hidden_states, pooled_projections))
         if out is None:
@@ -100,8 +105,10 @@ class EngineTransformer(EngineModule):
             out["transformer"]["step_cache"] = self.step_cache.stats.to_dict()
         return out
 
-    def _run_cached(self, cache: StepCache, engines, feed: dict[str, torch.Tensor], key: tuple):
-        """A call on the engines cut for the step cache, when one covers it; else as without a cache."""
+    def _run_cached(self, cache: StepCache, engines, feed: dict[str, torch.Tensor], key: tuple,
+                    plain: Callable[[], dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
+        """A call on the engines cut for the step cache, when one covers it; else ``plain()``, the
+        call as without a cache."""
         def is_cut(handle) -> bool:
             return is_step_cache_layout(getattr(handle.record.key, "layout", ""))
 
@@ -117,7 +124,7 @@ class EngineTransformer(EngineModule):
             return cut.run(feed, need=("latent",), infer=lambda runner, f: cache.infer(runner, f, key))
         cache.say_once("no-engine", NO_STEP_CACHE_ENGINE)
         cache.interrupted(key)
-        return engines.run(feed, need=("latent",))
+        return plain()
 
     @property
     def flux(self) -> bool:
