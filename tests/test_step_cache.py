@@ -21,7 +21,7 @@ from sd_accel.profiles import Profile
 from sd_accel.runtime.step_cache import StepCacheRule, relative_change
 
 PROFILE = Profile(batch=(1, 1, 2), height=64, width=64, text=64)
-STEPS = 7
+STEPS = 6
 CALL = dict(prompt="a cat", num_inference_steps=STEPS, height=64, width=64, max_sequence_length=64,
             output_type="np")
 MODELS = ("builtin:tiny-flux", "builtin:tiny-sd3")
