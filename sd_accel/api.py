@@ -69,6 +69,7 @@ class AccelState:
     offload_active: bool
     engines: dict[str, int] = field(default_factory=dict)
     memory_format: str = "contiguous"  # "channels_last": convolutions in NHWC (CUDA, half precision)
+    step_cache: float | None = None  # the step cache's threshold where one is on (AccelConfig.step_cache)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -80,6 +81,7 @@ class AccelState:
             "offload": self.config.offload if self.offload_active else "none",
             "memory_format": self.memory_format,
             "engines": self.engines,
+            "step_cache": self.step_cache,
         }
 
 
@@ -163,6 +165,7 @@ def _swap_engines(pipe, config: AccelConfig) -> dict[str, int]:
         # the backend's default precision may give way to fp32 where it misses its check; one asked for may not
         builder = AutoBuilder(pipe, cache, backend, _build_precision(backend, config.engine_precision),
                               fallback_precision="fp32" if config.engine_precision is None else None)
+        builder.step_cache = config.step_cache is not None  # (the transformer built cut for it)
     from sd_accel.models.source import shared_ids
 
     shared = shared_ids(pipe, cache)  # a single-file checkpoint: the WebUI's and ComfyUI's engines of it serve too
@@ -293,6 +296,11 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
     engines_found: dict[str, int] = {}
     if config.engines:  # True or "auto"
         engines_found = _swap_engines(pipe, config)
+    step_cache = False
+    if config.step_cache is not None:
+        from sd_accel.runtime.swap import set_step_cache
+
+        step_cache = set_step_cache(pipe, config.step_cache)
     preset = None
     if config.sampler is not None:
         from sd_accel.samplers import apply_sampler
@@ -309,6 +317,7 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
         offload_active=offload_active,
         engines=engines_found,
         memory_format=memory_format,
+        step_cache=config.step_cache if step_cache else None,
     )
     pipe.sd_accel = state
     log.info("accelerated: %s", state.summary())

@@ -138,6 +138,8 @@ class AutoBuilder:
         # Failed shapes live on the pipeline: accelerating it again must not retry them.
         self.failed: dict[tuple, str] = pipe.__dict__.setdefault("_sd_accel_failed_builds", {})
         self.on_built: Callable[[str], None] | None = None
+        # AccelConfig.step_cache: the transformer is built cut for a step cache (step_cache_plan)
+        self.step_cache = False
 
     def __call__(self, engines: ComponentEngines, feed: dict[str, torch.Tensor]) -> EngineHandle | str:
         key = (self.backend.name, self.precision, *_shape_key(engines.component, feed))
@@ -175,8 +177,9 @@ class AutoBuilder:
                 raise EngineError("no engine profile describes this call's shapes")
             log.warning("%s: no engine covers this call; building one (%s, %s, %s) first: engines='auto', "
                         "once per shape, cached", component, self.backend.name, self.precision, profile.tag)
+            cut = self.step_cache and component == "transformer"
             try:
-                (record,) = run_jobs([EngineJob(spec, profile, self.precision)], self.cache, self.backend,
+                (record,) = run_jobs([EngineJob(spec, profile, self.precision, step_cache=cut)], self.cache, self.backend,
                                      progress=self.progress, validate=self.validate)
             except ValidationFailed as exc:
                 if self.fallback_precision is None:
@@ -185,8 +188,8 @@ class AutoBuilder:
                 # at 512 px missed bf16's gate by 5%, issue 29): the exact precision still runs it.
                 log.warning("%s: the %s engine missed its accuracy check (%s); building %s instead",
                             component, self.precision, reason_text(exc), self.fallback_precision)
-                (record,) = run_jobs([EngineJob(spec, profile, self.fallback_precision)], self.cache, self.backend,
-                                     progress=self.progress, validate=self.validate)
+                (record,) = run_jobs([EngineJob(spec, profile, self.fallback_precision, step_cache=cut)], self.cache,
+                                     self.backend, progress=self.progress, validate=self.validate)
         handle = EngineHandle(record, self.backend, self.cache, info.arch, info.version)
         if not covers(handle.shapes, feed):
             raise EngineError(f"the engine built ({record.key.name}) does not cover the call")

@@ -54,6 +54,8 @@ class EngineJob:
     precision: str
     model_id: str | None = None
     record_extra: Callable[[Any], dict] | None = None
+    # a transformer cut as a first-block step cache needs (sd_accel.components.segments.step_cache_plan)
+    step_cache: bool = False
 
 
 def run_jobs(
@@ -133,8 +135,14 @@ def build_engines(
     cancel: threading.Event | None = None,
     validate: bool = True,
     keep_onnx: bool | str = "graph",
+    step_cache: bool = False,
 ) -> list:
     """Build (or reuse) an engine for every component and profile; returns their cache records.
+
+    ``step_cache``: build an SD3 / FLUX.1 transformer in the segments a first-block step cache
+    runs one by one (``AccelConfig(step_cache=...)``: the embeddings and first block; the other
+    blocks; the final projection), whatever its size. Such an engine serves every call, cached
+    or not; other components are built as always.
 
     ``keep_onnx`` says what stays of the ONNX exports these engines were built from once the
     last one is built (unless another build is reading them). ``"graph"`` (the default): the
@@ -169,7 +177,8 @@ def build_engines(
         specs = {**specs_for(pipe), **control_specs(pipe)}  # a ControlNet pipeline's nets and residual UNet too
         names = _components(specs, components)
         profs = _profiles(pipe, preset, profiles)
-        jobs = [EngineJob(specs[n], p, precision) for n in names for p in profs]
+        jobs = [EngineJob(specs[n], p, precision, step_cache=step_cache and n == "transformer")
+                for n in names for p in profs]
         records = run_jobs(jobs, cache, be, progress=progress, cancel=cancel, validate=validate)
         if keep_onnx is False:
             cache.drop_intermediates_of(records)
@@ -250,7 +259,7 @@ def _build_one(cache, be, info, job: EngineJob, tick: Progress, validate_it: boo
 
     spec, profile, precision, record_extra = job.spec, job.profile, job.precision, job.record_extra
     model = job.model_id or be.model_id(spec.torch_module()) or fingerprint(spec.torch_module())
-    plan = _segment_plan(be, spec, precision)
+    plan = _segment_plan(be, spec, precision, job.step_cache)
     key = EngineKey(model, spec.name, be.name, info.version, info.arch, precision, profile.tag,
                     layout=plan.tag if plan is not None else "")
     existing = cache.get(key)
@@ -375,17 +384,24 @@ def _build_and_check(be, spec, artifact, profile: Profile, shapes, precision: st
         runner.close()
 
 
-def _segment_plan(be, spec, precision: str):
+def _segment_plan(be, spec, precision: str, step_cache: bool = False):
     """Where to cut ``spec``'s module for a build in segments (:func:`sd_accel.components.segments.plan_for`),
     or None: built whole. int8 in segments is int8 weights only (the backend's
     ``int8_weights_only``: OpenVINO); a backend without it builds static int8 whole (its
     calibration feeds the whole module's inputs). A backend that builds from the torch module
     builds it whole."""
-    from sd_accel.components.segments import plan_for
+    from sd_accel.components.segments import plan_for, step_cache_plan
 
     if be.takes_torch_module:
+        if step_cache:
+            log.warning("%s: the %s backend builds from the torch module whole; a step cache has no first "
+                        "block to run alone on it (its steps run in full)", spec.name, be.name)
         return None
-    plan = plan_for(spec)
+    plan = step_cache_plan(spec) if step_cache else None
+    if step_cache and plan is None:
+        log.warning("%s cannot be cut for a step cache (not an SD3 / FLUX.1 transformer of 2 blocks or more); "
+                    "built as always", spec.name)
+    plan = plan or plan_for(spec)
     if plan is not None and precision == "int8" and be.int8_weights_only is None:
         log.warning("%s: static int8 builds the module whole on %s (its calibration is the whole module's); "
                     "it would be built in %d segments otherwise", spec.name, be.name, len(plan.segments))

@@ -60,7 +60,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     config = AccelConfig(precision=args.precision, attention=args.attention, offload=args.offload,
                          sampler=args.sampler, engines=args.engines, engine_dir=args.engine_dir,
                          backend=args.backend, engine_precision=args.engine_precision,
-                         vae=f"tiny:{args.tiny_vae}" if args.tiny_vae else None)
+                         vae=f"tiny:{args.tiny_vae}" if args.tiny_vae else None, step_cache=args.step_cache)
+    if args.step_cache_check and args.step_cache is None:
+        from sd_accel.core import InvalidValue
+
+        raise InvalidValue("--step-cache-check needs --step-cache THRESHOLD")
     t0 = time.perf_counter()
     pipe = load_pipeline(args.model, allow_pickle=args.allow_pickle)
     request = _family_defaults(request, args, pipe)
@@ -71,7 +75,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     pipe = accelerate(pipe, config)
     t_accel = time.perf_counter() - t0
-    result = generate(pipe, request, extra)
+    check = None
+    if args.step_cache_check and pipe.sd_accel.step_cache is not None:
+        from sd_accel.generate import check_step_cache
+
+        # the uncached and the cached picture of this request: the cached one is saved where it
+        # passes the picture gate, else the uncached one (and the cache is off)
+        check = check_step_cache(pipe, request, extra=extra)
+        result = check.result if check.ok else check.full
+    else:
+        result = generate(pipe, request, extra)
     image = result.images[0]
     from sd_accel.samplers import webui_name
 
@@ -94,6 +107,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "it_per_s": round(result.it_per_s, 3),
         "unet_calls": result.unet_calls,
         **pipe.sd_accel.summary(),
+        **({"step_cache_check": check.summary()} if check is not None else {}),
         "components": _component_use(pipe),
     }
     if args.json:
@@ -148,6 +162,10 @@ def _component_use(pipe) -> dict[str, str]:
         use[name] = "+".join(kinds) or "unused"
         if s["fallbacks"]:
             use[name] += " (" + "; ".join(s["fallbacks"]) + ")"
+        cached = s.get("step_cache")
+        if cached and cached.get("calls"):  # (--step-cache: the last generation's calls that reused the residual)
+            last = cached.get("last_generation") or cached
+            use[name] += f", step cache: {last['cached']} of {last['calls']} calls cached"
     return use
 
 
@@ -203,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="each --controlnet's control type, for FLUX.1 union ControlNets (their model card lists them)")
     gen.add_argument("--control-preprocess", action="append", choices=("none", "canny"), default=None,
                      help="make each hint from its image: canny (built in, no weights) or none (default)")
+    gen.add_argument("--step-cache", type=float, default=None, metavar="THRESHOLD",
+                     help="SD3 / FLUX.1 on engines: reuse the transformer's residual on steps where its first block "
+                          "changed by less than this (0.08-0.12 usual; off by default; needs an engine built with "
+                          "`sd-accel build --step-cache` or --engines auto)")
+    gen.add_argument("--step-cache-check", action="store_true",
+                     help="with --step-cache: also generate without it and compare (PSNR); below the picture gate "
+                          "(35 dB) the uncached picture is saved and the cache is refused")
     gen.add_argument("--out", type=Path, default=Path("outputs/sd-accel.png"))
     gen.add_argument("--json", action="store_true", help="print the report as one JSON line")
     gen.set_defaults(func=_cmd_generate)

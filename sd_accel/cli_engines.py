@@ -121,7 +121,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     with _ctrl_c_cancels() as cancel:
         records = build_engines(pipe, preset, profiles=profiles, backend=args.backend, precision=args.precision,
                                 components=components, engine_dir=args.engine_dir, progress=not args.json,
-                                keep_onnx=_KEEP_ONNX[args.keep_onnx], cancel=cancel)
+                                keep_onnx=_KEEP_ONNX[args.keep_onnx], cancel=cancel, step_cache=args.step_cache)
     took = time.perf_counter() - start
     rows = [_row(r) for r in records]
     if args.json:
@@ -329,6 +329,8 @@ def add_commands(sub, engine_args) -> None:
                         "without its weights, a few MB; more profiles and refits need no new export), all, none")
     b.add_argument("--no-keep-onnx", dest="keep_onnx", action="store_const", const="none",
                    help="the same as --keep-onnx none")
+    b.add_argument("--step-cache", action="store_true",
+                   help="SD3 / FLUX.1: build the transformer cut for a step cache (generate --step-cache)")
     b.add_argument("--json", action="store_true")
     engine_args(b)
     b.set_defaults(func=_cmd_build)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,6 +51,13 @@ class AccelConfig:
       ``bf16`` UNet, say), use this one first; components without an engine of that precision
       use the others. ``None``: static engines first, then the nearest profile, then the faster
       precision (int8 before bf16/fp16 before fp32).
+    - ``step_cache``: ``None`` (the default) runs every step of an SD3 / FLUX.1 transformer in
+      full. A threshold (``0.12``) turns on a first-block step cache on its engines: each step
+      runs the first block, and where its residual changed by less than that (relative) since the
+      last step computed in full, the other blocks' residual from then is reused instead of running
+      them. An approximation: check its picture with ``sd_accel.generate.check_step_cache``. It
+      needs a transformer engine built for it (``build_engines(pipe, step_cache=True)``;
+      ``engines="auto"`` builds one), and does nothing without engines.
     - ``vae``: ``None`` the model's own VAE; ``"tiny:PATH"`` the tiny autoencoder (TAESD/TAESDXL:
       a diffusers folder or ``taesd_decoder.safetensors``) decodes instead, on engines too.
 
@@ -74,6 +82,7 @@ class AccelConfig:
     engine_fallback: bool = True
     engine_precision: str | None = None
     vae: str | None = None
+    step_cache: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISION)
@@ -92,6 +101,11 @@ class AccelConfig:
             self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")
         ):
             raise InvalidValue(f"AccelConfig.device={self.device!r} is not valid; allowed: auto, cpu, cuda, cuda:N, mps")
+        sc = self.step_cache
+        if sc is not None and (isinstance(sc, bool) or not isinstance(sc, int | float) or not math.isfinite(sc)
+                               or sc < 0):
+            raise InvalidValue(f"AccelConfig.step_cache={sc!r} is not valid; allowed: None (off) or a finite threshold "
+                               ">= 0 (0.08-0.12 is usual; 0 caches nothing)")
         if self.vae is not None:
             from sd_accel.optimize.vae_choice import check_vae_choice
 

@@ -170,6 +170,97 @@ def generate(pipe, params: GenerationParams, extra: dict[str, Any] | None = None
     return GenerationResult(images, time.perf_counter() - start, params.steps, calls["n"], seed=seed)
 
 
+@dataclass
+class StepCacheCheck:
+    """What :func:`check_step_cache` found: the picture's PSNR (dB) against the uncached one,
+    how many transformer calls reused the cached residual, both runs' seconds, and whether the
+    step cache passed the gate (``ok``; when not, the check turned it off)."""
+
+    threshold: float
+    psnr: float
+    gate: float
+    calls: int
+    cached: int
+    seconds_full: float
+    seconds_cached: float
+    ok: bool
+    full: GenerationResult
+    result: GenerationResult  # the cached run's
+
+    @property
+    def speedup(self) -> float:
+        return self.seconds_full / self.seconds_cached if self.seconds_cached else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "psnr_db": round(self.psnr, 2), "gate_db": self.gate,
+                "cached_calls": self.cached, "calls": self.calls, "speedup": round(self.speedup, 3), "ok": self.ok}
+
+
+def picture_psnr(got: list[Image.Image], want: list[Image.Image]) -> float:
+    """PSNR (dB) between two lists of 8-bit pictures (inf when equal)."""
+    import numpy as np
+
+    a = np.stack([np.asarray(i.convert("RGB"), dtype=np.float64) / 255 for i in got])
+    b = np.stack([np.asarray(i.convert("RGB"), dtype=np.float64) / 255 for i in want])
+    mse = float(np.mean((a - b) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def check_step_cache(pipe, params: GenerationParams, threshold: float | None = None, *, gate: float | None = None,
+                     refuse: bool = True, extra: dict[str, Any] | None = None) -> StepCacheCheck:
+    """Generate ``params`` without and with the step cache (``threshold``, default the one
+    ``accelerate`` set: ``AccelConfig.step_cache``) and compare the pictures: the project's picture
+    gate for approximations of the denoiser (:data:`sd_accel.validate.STEP_CACHE_PSNR`, 35 dB, as
+    for int8) unless ``gate`` says otherwise. Below it the cache is refused, with a warning: turned
+    off on ``pipe`` (``refuse=False``: kept, still with the warning). Costs one uncached generation;
+    the check's two results are returned (``full``, ``result``), so a face saves one of them.
+
+    (Skipped in the test suite: it needs the transformer on engines cut for the cache;
+    tests/test_step_cache.py builds them.)
+
+    >>> check = check_step_cache(pipe, GenerationParams(prompt="a cat", steps=28))  # doctest: +SKIP
+    >>> check.psnr, check.cached, check.ok  # doctest: +SKIP
+    (36.2, 11, True)
+    """
+    from sd_accel.runtime import set_step_cache, stats
+    from sd_accel.validate import STEP_CACHE_PSNR
+
+    state = getattr(pipe, "sd_accel", None)
+    threshold = getattr(state, "step_cache", None) if threshold is None else threshold
+    if threshold is None:
+        raise InvalidValue("no step cache to check: accelerate(pipe, engines=True, step_cache=0.1) first, or pass "
+                           "threshold=")
+    gate = STEP_CACHE_PSNR if gate is None else float(gate)
+    if params.seed == -1:  # both runs need the same seed
+        import dataclasses
+
+        params = dataclasses.replace(params, seed=params.resolved_seed())
+    set_step_cache(pipe, None)
+    full = generate(pipe, params, extra)
+    if not set_step_cache(pipe, threshold):
+        raise InvalidValue("step cache: this pipeline's transformer is not on engines (engines=True or 'auto')")
+    result = generate(pipe, params, extra)
+    counts = stats(pipe).get("transformer", {}).get("step_cache", {})
+    calls, cached = int(counts.get("calls", 0)), int(counts.get("cached", 0))
+    psnr = picture_psnr(result.images, full.images)
+    ok = psnr >= gate
+    log = logging.getLogger("sd_accel")
+    if ok:
+        log.info("step cache (threshold %g): its picture is %.1f dB from the uncached one (gate %.0f dB); %d of %d "
+                 "transformer calls cached, %.2fx", threshold, psnr, gate, cached, calls,
+                 full.seconds / result.seconds if result.seconds else 0.0)
+    else:
+        action = "turned off: every step runs in full" if refuse else "kept (refuse=False)"
+        log.warning("step cache (threshold %g) below the picture gate: its picture is %.1f dB from the uncached one, "
+                    "under %.0f dB (%d of %d transformer calls cached); %s. A lower threshold caches fewer steps "
+                    "and keeps the picture closer", threshold, psnr, gate, cached, calls, action)
+        if refuse:
+            set_step_cache(pipe, None)
+    if state is not None and hasattr(state, "step_cache"):
+        state.step_cache = threshold if ok or not refuse else None
+    return StepCacheCheck(float(threshold), psnr, gate, calls, cached, full.seconds, result.seconds, ok, full, result)
+
+
 def save_png(image: Image.Image, path: str | Path, parameters: str) -> Path:
     """Save with the generation parameters in the PNG text chunk ``parameters``, as the WebUI does."""
     path = Path(path)

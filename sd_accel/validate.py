@@ -64,6 +64,12 @@ IMAGE_PSNR = {"int8": 45.0, "int8-dynamic": 45.0}
 # optimum-intel's hybrid int8 34.6-40.3 dB (what CPU users run as int8), bf16 48 dB. Below 35 dB
 # the build tries the next int8 scope, then refuses int8 (build bf16).
 UNET_IMAGE_PSNR = {"int8": 35.0, "int8-dynamic": 35.0}
+# A step cache (``AccelConfig.step_cache``: later steps reuse the transformer's residual) is an
+# approximation of the denoiser as int8 is, held to the same picture gate, against the uncached
+# picture of the same request (``sd_accel.generate.check_step_cache``). Unlike an engine it is not
+# checked at build time: it depends on the request (steps, size, prompt), and a check costs one
+# uncached generation. Below it, the check turns the cache off and says so.
+STEP_CACHE_PSNR = UNET_IMAGE_PSNR["int8"]
 # A float (bf16 / fp16) denoiser that misses its per-call tolerance by a little is judged by the
 # picture instead: per call, random-weight UNets sit at the edge of bf16's gate (the LCM SD 1.5
 # UNet at 5.26e-2 against 5e-2 on both CPU kinds measured, so the few-step recipe ran its UNet in

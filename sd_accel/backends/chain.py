@@ -110,12 +110,19 @@ class ChainRunner:
 
     def infer(self, feed: dict) -> dict:
         _check_covers(self.shapes, feed)
-        state = dict(feed)
-        out: dict = {}
-        for link, runner in zip(self.links, self.runners, strict=True):
+        state = self.run_links(feed, 0, len(self.links))
+        return {name: state[given] for name, given in zip(self.links[-1].outputs, self.links[-1].gives, strict=True)}
+
+    def run_links(self, state: dict, start: int, stop: int) -> dict:
+        """``state`` (the call's inputs and what the segments before ``start`` gave) with what
+        segments ``start`` to ``stop - 1`` give, under their ``gives`` names: a first-block step
+        cache runs the first segment, then the others or only the last
+        (:mod:`sd_accel.runtime.step_cache`). The tensors are the runners' buffers."""
+        state = dict(state)
+        for link, runner in zip(self.links[start:stop], self.runners[start:stop], strict=True):
             out = runner.infer({name: state[name] for name in link.inputs})
             state.update({given: out[name] for name, given in zip(link.outputs, link.gives, strict=True)})
-        return {name: out[name] for name in self.links[-1].outputs}
+        return state
 
     def close(self) -> None:
         for runner in self.runners:

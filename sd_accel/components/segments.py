@@ -14,7 +14,10 @@ modules (``flux/segments.py``, ``sd3/segments.py``) say what each segment takes 
 module says where the cuts go (:func:`plan_for`) and wraps a segment as a component spec
 (:class:`SegmentSpec`) that the ONNX exporter and the backends take like any other.
 
-A separate first segment is also what a first-block cache (issue 44, part 4) needs later.
+A first-block step cache (issue 44, part 4: ``AccelConfig.step_cache``) needs its own cut
+(:func:`step_cache_plan`): the embeddings with the first block alone, which also gives that block's
+residual (``first_residual``: its image tokens out minus in); the other blocks; and the final norm
+and projection alone, so that a step can skip the blocks between (:mod:`sd_accel.runtime.step_cache`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ GIB = 1 << 30
 # A segment's output of a tensor it also takes (``hidden``, ``context``) is named with this suffix:
 # an ONNX graph cannot give an output an input's name (the exporter renames the input).
 NEXT = "_next"
+# The first block's residual on the image tokens (its output minus its input): what the first
+# segment of a step-cache plan also gives, the signal the step cache compares between steps.
+FIRST_RESIDUAL = "first_residual"
+# The layout tag's prefix of a step-cache plan (``fbc<n>-<digest>``); other plans' is "seg".
+STEP_CACHE_KIND = "fbc"
 
 
 def state_name(output: str) -> str:
@@ -84,6 +92,8 @@ class Segment:
     blocks: tuple[tuple[str, int], ...]
     first: bool
     last: bool
+    # (the first segment of a step-cache plan) also gives its block's residual: FIRST_RESIDUAL
+    residual: bool = False
 
     @property
     def folder(self) -> str:
@@ -94,12 +104,14 @@ class Segment:
 @dataclass(frozen=True)
 class SegmentPlan:
     segments: tuple[Segment, ...]
+    kind: str = "seg"  # STEP_CACHE_KIND: the cut a step cache needs (step_cache_plan)
 
     @property
     def tag(self) -> str:
-        """``seg<n>-<digest>``: the engine key's ``layout``. Two plans with the same cuts have the same tag."""
+        """``seg<n>-<digest>`` (``fbc<n>-<digest>`` for a step-cache plan): the engine key's
+        ``layout``. Two plans with the same cuts have the same tag."""
         cuts = ";".join(",".join(f"{name}:{i}" for name, i in s.blocks) for s in self.segments)
-        return f"seg{len(self.segments)}-{hashlib.sha256(cuts.encode()).hexdigest()[:6]}"
+        return f"{self.kind}{len(self.segments)}-{hashlib.sha256(cuts.encode()).hexdigest()[:6]}"
 
 
 def _fp32_bytes(module: torch.nn.Module) -> int:
@@ -135,6 +147,40 @@ def plan_for(spec, policy: SegmentPolicy | None = None) -> SegmentPlan | None:
         return None
     last = len(groups) - 1
     return SegmentPlan(tuple(Segment(k, tuple(g), k == 0, k == last) for k, g in enumerate(groups)))
+
+
+def is_step_cache_layout(layout: str) -> bool:
+    """Whether an engine key's ``layout`` is a step-cache plan's (:func:`step_cache_plan`)."""
+    return layout.startswith(STEP_CACHE_KIND)
+
+
+def step_cache_plan(spec, policy: SegmentPolicy | None = None) -> SegmentPlan | None:
+    """The cut a first-block step cache needs (``AccelConfig.step_cache``), whatever the size: the
+    embeddings and the first block alone (giving :data:`FIRST_RESIDUAL` too); the other blocks,
+    in segments of the policy's ``budget`` where the module would be segmented anyway, else in
+    one; the final norm and projection alone. None for a spec that cannot be cut (not a
+    transformer family's) or has a single block."""
+    policy = SegmentPolicy.from_env() if policy is None else policy
+    lists = getattr(spec, "segment_blocks", None)
+    if lists is None or getattr(spec, "name", "") != "transformer":  # (T5 is cut too, but steps none)
+        return None
+    module = spec.torch_module()
+    blocks = [(name, i, _fp32_bytes(block)) for name in lists() for i, block in enumerate(_attr(module, name))]
+    if len(blocks) < 2:
+        return None
+    cut = policy.always or _fp32_bytes(module) > policy.auto_above
+    groups: list[list[tuple[str, int]]] = [[blocks[0][:2]], []]
+    size = 0
+    for name, i, nbytes in blocks[1:]:
+        if cut and groups[-1] and size + nbytes > policy.budget:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, i))
+        size += nbytes
+    groups.append([])  # the final norm and projection
+    last = len(groups) - 1
+    return SegmentPlan(tuple(Segment(k, tuple(g), k == 0, k == last, residual=k == 0) for k, g in enumerate(groups)),
+                       kind=STEP_CACHE_KIND)
 
 
 class SegmentModule(torch.nn.Module):
@@ -202,4 +248,4 @@ class SegmentSpec(ComponentSpec):
                 for t in self.inputs()}
 
 
-__all__ = ["NEXT", "SEGMENTS_ENV", "Segment", "SegmentModule", "SegmentPlan", "SegmentPolicy", "SegmentSpec", "plan_for", "state_name"]
+__all__ = ["FIRST_RESIDUAL", "NEXT", "SEGMENTS_ENV", "STEP_CACHE_KIND", "is_step_cache_layout", "step_cache_plan", "Segment", "SegmentModule", "SegmentPlan", "SegmentPolicy", "SegmentSpec", "plan_for", "state_name"]

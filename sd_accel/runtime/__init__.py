@@ -4,7 +4,7 @@ The public entry for every face (the api layer's ``accelerate``, the WebUI adapt
 :func:`engines_for` (the usable engines of a weights id and a component, as a
 :class:`ComponentEngines` that picks one per call, with its fallback switch), :func:`refusal`
 (why an engine cannot run here), and for pipelines :func:`swap_engines`, :func:`set_fallback`,
-:func:`unswap` and :func:`stats`; :func:`set_build_progress` for ``engines="auto"`` builds.
+:func:`unswap` and :func:`stats`; :func:`set_step_cache` for the transformer families' step cache; :func:`set_build_progress` for ``engines="auto"`` builds.
 
 Run-time failures cost what they should (:mod:`.selection`): only an engine's own fault marks
 it bad in the cache. The torch weights of engine-served modules are parked in a memory-mapped
@@ -16,7 +16,14 @@ it runs torch with the reason, until ``sd_accel.refit_engines(pipe)`` updates th
 from sd_accel.runtime.loader import engines_for, refusal, usable_handles
 from sd_accel.runtime.selection import ComponentEngines, EngineHandle
 from sd_accel.runtime.stats import ComponentStats
-from sd_accel.runtime.swap import set_build_progress, set_fallback, stats, swap_engines, unswap
+from sd_accel.runtime.swap import (
+    set_build_progress,
+    set_fallback,
+    set_step_cache,
+    stats,
+    swap_engines,
+    unswap,
+)
 
 __all__ = [
     "ComponentEngines",
@@ -26,6 +33,7 @@ __all__ = [
     "refusal",
     "set_build_progress",
     "set_fallback",
+    "set_step_cache",
     "stats",
     "swap_engines",
     "unswap",

@@ -19,6 +19,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -196,12 +197,16 @@ class ComponentEngines:
                 not handle.static, distance(handle.shapes, feed), _PRECISION_RANK.get(precision, 9))
 
     def run(self, feed: dict[str, torch.Tensor], need: tuple[str, ...] = (),
-            check: Callable[[dict[str, torch.Tensor]], str | None] | None = None) -> dict[str, torch.Tensor] | None:
+            check: Callable[[dict[str, torch.Tensor]], str | None] | None = None,
+            infer: Callable[[Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+            ) -> dict[str, torch.Tensor] | None:
         """Engine outputs for ``feed``, or None when the caller must run torch (already counted).
 
         ``need``: output names the caller reads; an engine without them is at fault.
         ``check``: the caller's test of the outputs (a reason to run torch, or None); the call is
         counted on the engine only after it passes, so a rejected output is one torch call.
+        ``infer(runner, feed)``: runs the chosen engine instead of ``runner.infer`` (a step cache
+        runs a chained engine's segments itself: :mod:`sd_accel.runtime.step_cache`).
         """
         live = [h for h in self.handles if h.broken is None]
         candidates = sorted((h for h in live if covers(h.shapes, feed)), key=lambda h: self._order(h, feed))
@@ -221,7 +226,7 @@ class ComponentEngines:
             try:
                 runner = handle.get_runner()
                 stage = "infer"
-                out = runner.infer(feed)
+                out = runner.infer(feed) if infer is None else infer(runner, feed)
                 missing = [n for n in need if n not in out]
                 if missing:
                     raise EngineFault(f"engine {handle.name} returned {sorted(out)}, without {missing}")

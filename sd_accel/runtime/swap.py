@@ -293,6 +293,29 @@ def _with_torch_modules(pipe, original):
     return guarded
 
 
+def set_step_cache(pipe, threshold: float | None) -> bool:
+    """Serve ``pipe``'s transformer engines through a first-block step cache of ``threshold``
+    (:mod:`sd_accel.runtime.step_cache`), or, None, run every step in full. Returns whether a
+    step cache is on: only an SD3 / FLUX.1 transformer on engines takes one (said otherwise)."""
+    from sd_accel.runtime.step_cache import StepCache, StepCacheRule, scheduler_position
+
+    module = getattr(pipe, "transformer", None)
+    if threshold is None:
+        if isinstance(module, EngineTransformer):
+            module.set_step_cache(None)
+        return False
+    rule = StepCacheRule(float(threshold))
+    if not isinstance(module, EngineTransformer):
+        why = ("it has no SD3 / FLUX.1 transformer" if module is None and getattr(pipe, "unet", None) is not None
+               else "its transformer is not on engines (engines=True or 'auto')")
+        log.warning("step_cache=%g: not used for this pipeline: %s; every step runs in full", threshold, why)
+        return False
+    module.set_step_cache(StepCache(rule, scheduler_position(pipe)))
+    log.info("step cache on the transformer's engines, threshold %g (the first %d steps and the last run in full)",
+             threshold, rule.full_first)
+    return True
+
+
 def set_fallback(pipe, allowed: bool) -> None:
     """Switch the torch fallback of every engine-backed module in ``pipe`` (see
     :meth:`~sd_accel.runtime.selection.ComponentEngines.set_fallback`)."""

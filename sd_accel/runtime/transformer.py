@@ -6,15 +6,21 @@ are those the engines were built from; a call with arguments the engine does not
 ControlNet's block samples, skip-layer guidance, attention kwargs other than a LoRA scale of 1)
 or a shape no engine covers runs torch, counted with its reason. ControlNet samples (FLUX.1's, SD3's)
 go to the residual-taking engine (``transformer_control``) where there is one.
+
+With a step cache set (:meth:`EngineTransformer.set_step_cache`, ``AccelConfig.step_cache``), a
+call goes first to the engines cut for it (:mod:`sd_accel.runtime.step_cache`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from sd_accel.components.segments import is_step_cache_layout
 from sd_accel.runtime.modules import EngineModule, _out
+from sd_accel.runtime.step_cache import StepCache, stream_key
 from sd_accel.runtime.transformer_control import (
     attention_kwargs_reason,
     control_residuals,
@@ -24,6 +30,8 @@ from sd_accel.runtime.transformer_control import (
 # the keyword arguments each family's engine does not take (present and not None: torch runs the call)
 _NOT_IN_ENGINE = ("block_controlnet_hidden_states", "skip_layers", "controlnet_block_samples",
                   "controlnet_single_block_samples", "attention_mask", "encoder_attention_mask")
+NO_STEP_CACHE_ENGINE = ("step cache: no transformer engine cut for it covers this call, so its steps run in full; "
+                        "build one with build_engines(pipe, step_cache=True) or `sd-accel build --step-cache`")
 NO_CONTROL_ENGINE = ("a ControlNet call and no residual-taking transformer engine for these weights: build one "
                      "with the transformer_control component")
 # FLUX.1's ControlNet samples: the residual-taking engine's inputs (transformer_control), when it has one
@@ -64,15 +72,60 @@ class EngineTransformer(EngineModule):
                 # the engines ComfyUI built from the same file (:mod:`sd_accel.models.source`) take
                 # what this module's own do not cover, counted as this module's
                 shared = self.shared.get("transformer")
-                if shared is not None and not control and not engines.covering(feed) and shared.covering(feed):
-                    out = shared.run(feed, need=("latent",))
+
+                def plain() -> dict[str, torch.Tensor] | None:
+                    if shared is not None and not control and not engines.covering(feed) and shared.covering(feed):
+                        return shared.run(feed, need=("latent",))
+                    return engines.run(feed, need=("latent",))
+
+                cache = self.step_cache
+                if cache is not None and not control:
+                    out = self._run_cached(cache, engines, feed, stream_key(hidden_states, encoder_hidden_states,
+                                                                           pooled_projections), plain)
                 else:
-                    out = engines.run(feed, need=("latent",))
+                    out = plain()
+        if out is None and self.step_cache is not None:
+            self.step_cache.interrupted(stream_key(hidden_states, encoder_hidden_states, pooled_projections))
         if out is None:
             return self.torch_fallback()(hidden_states, encoder_hidden_states, pooled_projections, timestep,
                                          *args, **kwargs)
         sample = _out(out["latent"], hidden_states, hidden_states.dtype)
         return Transformer2DModelOutput(sample=sample) if kwargs.get("return_dict", True) else (sample,)
+
+    @property
+    def step_cache(self) -> StepCache | None:
+        return self.__dict__.get("_step_cache")
+
+    def set_step_cache(self, cache: StepCache | None) -> None:
+        """Serve the calls through ``cache`` (None: every step in full, as without one)."""
+        self.__dict__["_step_cache"] = cache
+
+    def component_stats(self) -> dict[str, Any]:
+        out = super().component_stats()
+        if self.step_cache is not None and "transformer" in out:
+            out["transformer"]["step_cache"] = self.step_cache.stats.to_dict()
+        return out
+
+    def _run_cached(self, cache: StepCache, engines, feed: dict[str, torch.Tensor], key: tuple,
+                    plain: Callable[[], dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
+        """A call on the engines cut for the step cache, when one covers it; else ``plain()``, the
+        call as without a cache."""
+        def is_cut(handle) -> bool:
+            return is_step_cache_layout(getattr(handle.record.key, "layout", ""))
+
+        cut = engines.subset(is_cut)
+        if not cut.covering(feed) and getattr(engines.builder, "step_cache", False):
+            built = engines.builder(engines, feed)  # (engines="auto": one cut for the cache, of this shape)
+            if isinstance(built, str):
+                cache.interrupted(key)
+                engines.torch_call(built)
+                return None
+            cut = engines.subset(is_cut)
+        if cut.covering(feed):
+            return cut.run(feed, need=("latent",), infer=lambda runner, f: cache.infer(runner, f, key))
+        cache.say_once("no-engine", NO_STEP_CACHE_ENGINE)
+        cache.interrupted(key)
+        return plain()
 
     @property
     def flux(self) -> bool:

@@ -4,6 +4,9 @@ computes and passes on, as ``FluxTransformer2DModel.forward`` does it in one pie
 The first segment embeds the inputs (``hidden``, ``context``, ``temb``); every segment computes the
 rotary positions again from ``img_ids`` / ``txt_ids`` (no weights; (N + L) x 128 values: cheaper to
 recompute than to pass on); the last applies the final norm and projection (``latent``).
+
+A step-cache plan's first segment also gives its block's residual (``first_residual``), and its
+last segment holds no block: it takes only ``hidden`` and ``temb``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from contextlib import nullcontext
 import torch
 
 from sd_accel.components.flux.export import export_patches
-from sd_accel.components.segments import NEXT, Segment, SegmentModule
+from sd_accel.components.segments import FIRST_RESIDUAL, NEXT, Segment, SegmentModule
 from sd_accel.components.spec import TensorSpec
 
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
@@ -23,6 +26,7 @@ class FluxSegment(SegmentModule):
     def __init__(self, transformer: torch.nn.Module, segment: Segment, guidance: bool) -> None:
         super().__init__()
         self.first, self.last, self.guidance = segment.first, segment.last, guidance
+        self.residual, self.blockless = segment.residual, not segment.blocks
         self.pos_embed = transformer.pos_embed
         if self.first:
             self.x_embedder = transformer.x_embedder
@@ -48,14 +52,20 @@ class FluxSegment(SegmentModule):
             temb = (self.time_text_embed(timestep, guidance[0].to(hidden.dtype) * 1000, pooled) if self.guidance
                     else self.time_text_embed(timestep, pooled))
             context = self.context_embedder(encoder_hidden_states)
+        elif self.blockless:  # (a step-cache plan's last segment: the final norm and projection)
+            hidden, temb = args
         else:
             hidden, context, temb, img_ids, txt_ids = args
-        rotary = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+        embedded = hidden
+        if not self.blockless:
+            rotary = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
         for block in (*self.double_blocks, *self.single_blocks):
             context, hidden = block(hidden_states=hidden, encoder_hidden_states=context, temb=temb,
                                     image_rotary_emb=rotary)
         if self.last:
             return (self.proj_out(self.norm_out(hidden, temb)),)
+        if self.residual:
+            return hidden, context, temb, hidden - embedded
         return (hidden, context, temb) if self.first else (hidden, context)
 
 
@@ -68,7 +78,9 @@ def segment_io(spec, segment: Segment) -> tuple[tuple[TensorSpec, ...], tuple[Te
     temb = TensorSpec("temb", ("B", inner), f32)
     outer = {t.name: t for t in spec.inputs()}
     ids = (outer["img_ids"], outer["txt_ids"])
-    inputs = spec.inputs() if segment.first else (hidden, context, temb, *ids)
+    inputs = spec.inputs() if segment.first else (hidden, temb) if not segment.blocks else (hidden, context, temb, *ids)
     passed = (TensorSpec(hidden.name + NEXT, hidden.dims, f32), TensorSpec(context.name + NEXT, context.dims, f32))
     outputs = spec.outputs() if segment.last else (*passed, temb) if segment.first else passed
+    if segment.residual:
+        outputs = (*outputs, TensorSpec(FIRST_RESIDUAL, hidden.dims, f32))
     return tuple(inputs), tuple(outputs)

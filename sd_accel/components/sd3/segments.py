@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from sd_accel.components.segments import NEXT, Segment, SegmentModule
+from sd_accel.components.segments import FIRST_RESIDUAL, NEXT, Segment, SegmentModule
 from sd_accel.components.spec import TensorSpec
 from sd_accel.profiles import Range
 
@@ -21,7 +21,7 @@ BLOCK_LISTS = ("transformer_blocks",)
 class SD3Segment(SegmentModule):
     def __init__(self, transformer: torch.nn.Module, segment: Segment) -> None:
         super().__init__()
-        self.first, self.last = segment.first, segment.last
+        self.first, self.last, self.residual = segment.first, segment.last, segment.residual
         if self.first:
             self.pos_embed = transformer.pos_embed
             self.time_text_embed = transformer.time_text_embed
@@ -39,13 +39,19 @@ class SD3Segment(SegmentModule):
             hidden = self.pos_embed(latent).contiguous()
             temb = self.time_text_embed(timestep, pooled)
             context = self.context_embedder(encoder_hidden_states)
+        elif self.last and not self.blocks:  # (a step-cache plan's last segment: no block)
+            hidden, temb, latent = args
         else:
             hidden, context, temb, *rest = args
             latent = rest[0] if rest else None
+        embedded = hidden
         for block in self.blocks:
             context, hidden = block(hidden_states=hidden, encoder_hidden_states=context, temb=temb)
+        if self.residual:
+            return hidden, context, temb, hidden - embedded
         if not self.last:
-            return (hidden, context, temb) if self.first else (hidden, context)
+            # (the last block updates the image tokens only: a segment ending with it passes those on)
+            return (hidden, context, temb) if self.first else (hidden,) if context is None else (hidden, context)
         hidden = self.proj_out(self.norm_out(hidden, temb))
         p, c = self.patch, self.out_channels
         height, width = latent.shape[-2] // p, latent.shape[-1] // p
@@ -64,10 +70,18 @@ def segment_io(spec, segment: Segment) -> tuple[tuple[TensorSpec, ...], tuple[Te
     latent_in = spec.inputs()[0]
     if segment.first:
         inputs: tuple[TensorSpec, ...] = spec.inputs()
+    elif segment.last and not segment.blocks:
+        inputs = (hidden, temb, latent_in)
     else:
         inputs = (hidden, context, temb, latent_in) if segment.last else (hidden, context, temb)
-    passed = (TensorSpec(hidden.name + NEXT, hidden.dims, f32), TensorSpec(context.name + NEXT, context.dims, f32))
+    passed: tuple[TensorSpec, ...] = (TensorSpec(hidden.name + NEXT, hidden.dims, f32),
+                                      TensorSpec(context.name + NEXT, context.dims, f32))
+    final = int(cfg.num_layers) - 1
+    if not segment.last and not segment.first and ("transformer_blocks", final) in segment.blocks:
+        passed = passed[:1]  # (the last block's context is None: context_pre_only)
     outputs = spec.outputs() if segment.last else (*passed, temb) if segment.first else passed
+    if segment.residual:
+        outputs = (*outputs, TensorSpec(FIRST_RESIDUAL, hidden.dims, f32))
     return inputs, outputs
 
 
