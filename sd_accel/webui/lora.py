@@ -144,6 +144,25 @@ class LoraRefits:
         for key in [k for k in self._failed if which(k[0])]:
             del self._failed[key]
 
+    def drop_idle(self, ckpt: str, component: str) -> list[str]:
+        """Close the refits of ``ckpt``'s ``component`` engines (``ldm_unet`` or
+        ``ldm_unet_control``) that made no engine call in the running job (its counters), so
+        their patched weights leave memory before another component's engine loads or is refitted
+        for this job; a later job that asks for one refits it again. The names of the LoRA sets
+        dropped."""
+        from sd_accel.components.ldm_unet import COMPONENT
+
+        dropped = []
+        for where, kept in self._kept.items():
+            if where[0] != ckpt or (where[4] if len(where) > 4 else COMPONENT) != component:
+                continue
+            for loras in [k for k, r in kept.items() if r.engines.stats.engine_calls == 0]:
+                refit = kept.pop(loras)
+                if any(h.runner is not None and getattr(h.runner, "done", True) for h in refit.engines.handles):
+                    dropped.append(lora_text(loras))
+                refit.engines.close()
+        return dropped
+
     def get(self, where: tuple, loras: LoraSet) -> Refit | None:
         kept = self._kept.get(where)
         refit = kept.get(loras) if kept else None
