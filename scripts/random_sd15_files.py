@@ -15,6 +15,11 @@ writes into ``OUT``:
   weights, zero convolutions made non-zero so that it changes the image) in the ControlNet 1.1
   file layout (``control_model.*``, ``tests/support/controlnet_layout.py``), fp16;
 - ``hint.png``: a 512 px noise hint (seed 0).
+
+Forge dfdcbab did not apply the LoRA this script wrote before 2026-12-07 07:10 UTC ("LoRA version
+mismatch", docs/dev/forge-real.md): its text-encoder keys lacked ``text_model_``
+(``lora_te_encoder_layers_...``), as newer transformers name CLIPTextModel's layers; fixed, not yet
+checked in a real Forge.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def _lora_pairs(module: torch.nn.Module, prefix: str, targets: tuple[str, ...], 
         up = torch.randn(layer.out_features, rank, generator=gen)
         delta = up @ down
         up *= scale * layer.weight.detach().float().norm() / delta.norm()
+        if prefix == "lora_te" and not name.startswith("text_model."):
+            name = f"text_model.{name}"  # (newer transformers name CLIPTextModel's layers without it)
         key = _kohya_name(prefix, name)
         out[f"{key}.lora_down.weight"] = down.half()
         out[f"{key}.lora_up.weight"] = up.half()

@@ -78,7 +78,7 @@ class EngineDiffusionModel(ProxyModule):
         self.__dict__["_control"] = control
         self.__dict__["_control_found"] = None
         # ``before(component)``: once per pass, before the engines of ``ldm_unet`` or
-        # ``ldm_unet_control`` first serve (load or refit): the other's idle engines leave memory
+        # ``ldm_unet_control`` first serve: the other kind's idle base engines leave memory
         self.__dict__["_before"] = before
         self.__dict__["_before_done"] = set()
 
@@ -251,7 +251,7 @@ def patch_for_sampling(p, ctl: Controller | None = None) -> bool:
         return found, why
 
     unet.add_object_patch(OBJECT_PATCH, EngineDiffusionModel(torch_unet, engines, resolve, base, control,
-                                                             lambda component: ctl.release_idle(ckpt, component)))
+                                                             lambda component: ctl.close_idle_bases(ckpt, component)))
     p.sd_model.forge_objects.unet = unet
     ctl.job.used.add(wid)
     _park(ctl, torch_unet)
