@@ -271,3 +271,132 @@ def test_a1111_controlnet_hook_runs_the_job_in_pytorch_counted_and_said(tmp_path
     webui.scripts.scripts_txt2img.alwayson_scripts.pop(0)  # no ControlNet unit: engines again
     torch.testing.assert_close(webui.txt2img(prompt="a cat", steps=2).samples, plain, atol=2e-3, rtol=2e-3)
     assert _counts("ldm_unet")[1] == 0
+
+
+def test_forge_controlnet_refit_leaves_the_plain_unets_idle_refit_out_of_memory(tmp_path, capsys, monkeypatch):
+    """A real Forge (SD 1.5, CPU, OpenVINO bf16) peaked 1 GiB above its own PyTorch at the first
+    ControlNet job with a LoRA: the residual-taking engine was refitted while the plain UNet's
+    refit of the same LoRA (kept from the job before, serving no ControlNet call) stayed loaded.
+    Before a UNet engine is refitted for a job (one LoRA set kept refitted per checkpoint: the
+    default), the other kind's engines that made no call in it leave memory; later jobs load or
+    refit them again and compute what they did."""
+    webui = harness.start(tmp_path, forge=True, options=EXACT)
+    import sd_accel.refit as refit_module
+    from sd_accel.webui.controller import controller
+    from sd_accel.webui.jobs import build_for_checkpoint
+
+    webui.txt2img(prompt="a cat", steps=1)
+    unet = webui.shared.sd_model.forge_objects.unet.model.diffusion_model
+    unet = getattr(unet, "torch_unet", unet).unet
+    hint = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    nets: list = []
+    _install_controlnet_script(webui, nets)
+    build_for_checkpoint(profile=STATIC, components=("unet", "unet_control"))
+    prompt = "a cat <lora:film:1>"
+
+    def engines_on(on: bool) -> None:
+        webui.shared.opts.data["sd_accel_forge_enabled"] = on
+        webui.shared.opts.data["sd_accel_vae_clip_enabled"] = on
+
+    def with_control(on: bool) -> None:
+        nets[:] = [ForgeControlNet(unet, hint, 2.0)] if on else []
+
+    engines_on(False)
+    reference = {}
+    for name, control, text in (("plain", False, "a cat"), ("lora", False, prompt), ("lora+cn", True, prompt),
+                                ("cn", True, "a cat")):
+        with_control(control)
+        reference[name] = webui.txt2img(prompt=text, steps=2).samples
+    engines_on(True)
+
+    loaded_at_refit: list[list[str]] = []  # per refit: the UNet engines (any kind) loaded beside it
+    real = refit_module.refit_engine
+
+    def watched(handle, *args, **kwargs):
+        ctl = controller()
+        engines = ctl.loaded("ldm_unet") + ctl.loaded("ldm_unet_control")
+        loaded_at_refit.append(sorted(h.name for e in engines for h in e.handles
+                                      if h is not handle and h.runner is not None
+                                      and getattr(h.runner, "done", True)))  # (a PendingRefit not made yet holds nothing)
+        return real(handle, *args, **kwargs)
+
+    monkeypatch.setattr(refit_module, "refit_engine", watched)
+
+    def job(name: str, control: bool, text: str, component: str) -> str:
+        with_control(control)
+        capsys.readouterr()
+        got = webui.txt2img(prompt=text, steps=2).samples
+        out = capsys.readouterr().out
+        torch.testing.assert_close(got, reference[name], **TOL)
+        calls = _counts(component)
+        assert calls[0] > 0 and calls[1] == 0, (name, out)
+        return out
+
+    job("plain", False, "a cat", "ldm_unet")
+    assert "refitting the engine of" in job("lora", False, prompt, "ldm_unet")
+    assert loaded_at_refit == [[]]  # (the base engine's runner closes as its refit starts)
+    out = job("lora+cn", True, prompt, "ldm_unet_control")
+    assert "refitting the residual-taking engine" in out
+    # the plain UNet's refit served no call of this job: it left memory before this refit
+    assert loaded_at_refit[1] == [], loaded_at_refit
+    assert controller().refits.engines("ldm_unet") == []
+    # and the jobs after it: the plain LoRA is refitted again (never stale), the residual-taking
+    # refit leaves memory first; ControlNet without LoRA loads its base engine again
+    assert "refitting the engine of" in job("lora", False, prompt, "ldm_unet")
+    assert loaded_at_refit[2] == [], loaded_at_refit
+    assert controller().refits.engines("ldm_unet_control") == []
+    job("cn", True, "a cat", "ldm_unet_control")
+    job("plain", False, "a cat", "ldm_unet")
+    assert len(loaded_at_refit) == 3
+    # no LoRA: the plain base engine that served the job before closes before the residual-taking
+    # one serves (a real Forge: 9.16 GiB with it closed, under its PyTorch's 10.22)
+    job("cn", True, "a cat", "ldm_unet_control")
+    plain = [e for k, e in controller()._engines.items() if e is not None and k[1] == "ldm_unet"]
+    assert plain and all(h.runner is None for e in plain for h in e.handles)
+    job("plain", False, "a cat", "ldm_unet")  # loaded again from the cache
+
+
+def test_forge_controlnet_from_a_later_step_keeps_the_plain_refit_that_served_the_job(tmp_path, capsys):
+    """A ControlNet that starts at a later step (Forge's ``guidance_start``: no residuals before
+    it): the job's first calls run on the plain UNet's refit, the later ones on the residual-taking
+    engine's. The plain refit served this job, so it stays loaded while the other is refitted
+    (a job never refits the same engine twice) and both compute what PyTorch does."""
+    webui = harness.start(tmp_path, forge=True, options=EXACT)
+    from sd_accel.webui.controller import controller
+    from sd_accel.webui.jobs import build_for_checkpoint
+
+    webui.txt2img(prompt="a cat", steps=1)
+    unet = webui.shared.sd_model.forge_objects.unet.model.diffusion_model
+    unet = getattr(unet, "torch_unet", unet).unet
+    hint = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+
+    class LateControlNet(ForgeControlNet):
+        calls = 0
+
+        def get_control(self, x_noisy, t, cond, batched_number):
+            self.calls += 1
+            return None if self.calls <= 2 else super().get_control(x_noisy, t, cond, batched_number)
+
+    net = LateControlNet(unet, hint, 2.0)
+    _install_controlnet_script(webui, [net])
+    build_for_checkpoint(profile=STATIC, components=("unet", "unet_control"))
+    prompt = "a cat <lora:film:1>"
+
+    def job() -> torch.Tensor:
+        net.calls = 0
+        return webui.txt2img(prompt=prompt, steps=3).samples
+
+    webui.shared.opts.data["sd_accel_forge_enabled"] = False
+    reference = job()
+    webui.shared.opts.data["sd_accel_forge_enabled"] = True
+    capsys.readouterr()
+    got = job()
+    text = capsys.readouterr().out
+    torch.testing.assert_close(got, reference, **TOL)
+    plain, control = _counts("ldm_unet"), _counts("ldm_unet_control")
+    assert plain[0] > 0 and control[0] > 0 and plain[1] == control[1] == 0, text
+    assert "refitting the engine of" in text and "refitting the residual-taking engine" in text, text
+    assert [e for e in controller().refits.engines("ldm_unet")], "the plain refit that served the job was dropped"
+    capsys.readouterr()
+    torch.testing.assert_close(job(), reference, **TOL)  # the next job: both kept, nothing refitted
+    assert "refitting" not in capsys.readouterr().out

@@ -31,6 +31,7 @@ import torch
 
 from sd_accel.components.ldm_control_unet import COMPONENT as CONTROL
 from sd_accel.components.ldm_control_unet import control_feed, control_names, ldm_layout, sliced_control
+from sd_accel.components.ldm_unet import COMPONENT
 from sd_accel.runtime.modules import ProxyModule
 from sd_accel.webui import host
 from sd_accel.webui.controller import Controller, controller
@@ -59,7 +60,8 @@ class EngineDiffusionModel(ProxyModule):
     def __init__(self, torch_unet: torch.nn.Module, engines: LdmEngines | None,
                  resolve: Callable[[], tuple[LdmEngines | None, str | None]] | None = None,
                  base: LdmEngines | None = None,
-                 control: Callable[[], tuple[LdmEngines | None, str | None]] | None = None) -> None:
+                 control: Callable[[], tuple[LdmEngines | None, str | None]] | None = None,
+                 before: Callable[[str], None] | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "torch_unet", torch_unet)  # not a submodule: see the docstring
         self.__dict__["_modules"] = torch_unet._modules
@@ -75,6 +77,10 @@ class EngineDiffusionModel(ProxyModule):
         # the first such call and kept for the pass
         self.__dict__["_control"] = control
         self.__dict__["_control_found"] = None
+        # ``before(component)``: once per pass, before the engines of ``ldm_unet`` or
+        # ``ldm_unet_control`` first serve: the other kind's idle base engines leave memory
+        self.__dict__["_before"] = before
+        self.__dict__["_before_done"] = set()
 
     def __getattr__(self, name: str):
         try:
@@ -82,7 +88,15 @@ class EngineDiffusionModel(ProxyModule):
         except AttributeError:
             return getattr(self.__dict__["torch_unet"], name)
 
+    def _first_use(self, component: str) -> None:
+        done = self.__dict__["_before_done"]
+        if component not in done:
+            done.add(component)
+            if self.__dict__["_before"] is not None:
+                self.__dict__["_before"](component)
+
     def _engines(self) -> LdmEngines | None:
+        self._first_use(COMPONENT)
         if self.engines is None and self.__dict__["_why"] is None and self.__dict__["_resolve"] is not None:
             engines, why = self.__dict__["_resolve"]()
             if engines is None:
@@ -94,6 +108,7 @@ class EngineDiffusionModel(ProxyModule):
     def _control_engines(self) -> tuple[LdmEngines | None, str | None]:
         found = self.__dict__["_control_found"]
         if found is None:
+            self._first_use(CONTROL)
             resolve = self.__dict__["_control"]
             found = resolve() if resolve is not None else (None, "ControlNet residuals are not in the engine")
             self.__dict__["_control_found"] = found
@@ -239,7 +254,8 @@ def patch_for_sampling(p, ctl: Controller | None = None) -> bool:
                    "with the unet_control component")
         return found, why
 
-    unet.add_object_patch(OBJECT_PATCH, EngineDiffusionModel(torch_unet, engines, resolve, base, control))
+    unet.add_object_patch(OBJECT_PATCH, EngineDiffusionModel(torch_unet, engines, resolve, base, control,
+                                                             lambda component: ctl.close_idle_bases(ckpt, component)))
     p.sd_model.forge_objects.unet = unet
     ctl.job.used.add(wid)
     _park(ctl, torch_unet)

@@ -10,7 +10,10 @@ set changes (:class:`~sd_accel.refit.PendingRefit`): a LoRA change patches only 
 jobs call. One LoRA set per checkpoint is kept refitted by default (setting
 ``sd_accel_lora_refits``: more keeps more sets, each a patched copy of the engines in memory);
 the set that gives way is released before the next one is refitted, so a strength change never
-holds two patched copies. A job without LoRA uses the base engine as it is. A refit that fails,
+holds two patched copies; the plain UNet's and the residual-taking UNet's (ControlNet) refits count
+together, and one that served no call of the running job gives way before the other kind is
+refitted (:meth:`~sd_accel.webui.controller.Controller.release_idle`). A job without LoRA uses the
+base engine as it is. A refit that fails,
 or that would not fit in the memory available (said before it starts), is not tried again for
 that set until the engines change; the job goes on in PyTorch.
 
@@ -146,6 +149,28 @@ class LoraRefits:
                 refit.engines.close()
         for key in [k for k in self._failed if which(k[0])]:
             del self._failed[key]
+
+    def count(self, ckpt: str) -> int:
+        """LoRA sets kept refitted for checkpoint ``ckpt``, both UNet kinds together."""
+        return sum(len(kept) for where, kept in self._kept.items() if where[0] == ckpt)
+
+    def drop_idle(self, ckpt: str, component: str) -> list[str]:
+        """Close the refits of ``ckpt``'s ``component`` engines (``ldm_unet`` or
+        ``ldm_unet_control``) that made no engine call in the running job (its counters), so
+        their patched weights leave memory before the other component's engine is refitted for this
+        job; a later job that asks for one refits it again. The LoRA sets dropped, as text."""
+        from sd_accel.components.ldm_unet import COMPONENT
+
+        dropped = []
+        for where, kept in self._kept.items():
+            if where[0] != ckpt or (where[4] if len(where) > 4 else COMPONENT) != component:
+                continue
+            for loras in [k for k, r in kept.items() if r.engines.stats.engine_calls == 0]:
+                refit = kept.pop(loras)
+                if any(h.runner is not None and getattr(h.runner, "done", True) for h in refit.engines.handles):
+                    dropped.append(lora_text(loras))
+                refit.engines.close()
+        return dropped
 
     def get(self, where: tuple, loras: LoraSet) -> Refit | None:
         kept = self._kept.get(where)
