@@ -361,6 +361,7 @@ def test_flux_controlnet_with_a_lora_runs_on_the_refitted_residual_taking_engine
         line = _report(caplog)
         assert "2 on engines, 0 in PyTorch" in line, line
         assert "transformer (ControlNet residuals) on engine" in line and f":{strength:g}" in line, line
+        assert "flux transformer on engine" not in line, line  # every call had residuals: no plain refit
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
         seen.append(got)
     assert (seen[1] - seen[0]).abs().max() > 1e-2  # 1.0 is not 0.7's weights
