@@ -109,9 +109,20 @@ def psnr(a, b) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
-def verdict(runs: dict, pairs: list[dict]) -> list[str]:
+def saved(folder: Path, prefix: str, ext: str) -> Path:
+    """The newest file ComfyUI saved under exactly ``prefix`` (``<prefix>_00001_.<ext>``): a glob on
+    ``prefix_*`` would also take a longer prefix's (``s_t_cn_00001_`` for ``s_t``)."""
+    pattern = re.compile(re.escape(prefix) + r"_\d+_?\." + re.escape(ext))
+    files = sorted(f for f in folder.iterdir() if pattern.fullmatch(f.name))
+    if not files:
+        raise FileNotFoundError(f"{folder}/{prefix}_*.{ext}")
+    return files[-1]
+
+
+def verdict(runs: dict, pairs: list[dict], effects: dict | None = None) -> list[str]:
     """What fails the proof: an engine run with a PyTorch call or no engine call, a latent beyond
-    LATENT_TOL, an image under PSNR_MIN."""
+    LATENT_TOL, an image under PSNR_MIN, an effect (LoRA strength, ControlNet: ComfyUI's own latents
+    apart) under 10 x the largest engine difference (it would not show that the engine took it)."""
     bad = [f"{name}: {r['error']}" for name, r in runs.items() if r.get("error")]
     for name, r in runs.items():
         if not r["engines"]:
@@ -124,6 +135,9 @@ def verdict(runs: dict, pairs: list[dict]) -> list[str]:
             bad.append(f"{p['engine']}: latent max diff {p['latent_max_diff']:.2e} > {LATENT_TOL}")
         if p.get("psnr_db") is not None and not p["psnr_db"] >= PSNR_MIN:
             bad.append(f"{p['engine']}: PSNR {p['psnr_db']:.1f} dB < {PSNR_MIN}")
+    worst = max([p["latent_max_diff"] for p in pairs if p["latent_max_diff"] == p["latent_max_diff"]], default=0.0)
+    bad += [f"{what}: effect {e:.2e} not above 10 x {worst:.2e}" for what, e in (effects or {}).items()
+            if not e > 10 * worst]
     return bad
 
 
@@ -141,12 +155,45 @@ def _randomize(module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.5 / max(1, p.shape[-1]) ** 0.5))
 
 
+def _sd3_side_files() -> None:
+    import diffusers
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    sys.path.insert(0, str(base.REPO / "tests"))
+    from support import transformer_layout as layout
+
+    for d in ("models/diffusion_models", "models/controlnet", "models/vae", "input", "output", "engines"):
+        (BASE / d).mkdir(parents=True, exist_ok=True)
+    pack = BASE / "custom_nodes/sd_accel"
+    pack.parent.mkdir(parents=True, exist_ok=True)
+    if not pack.exists():
+        pack.symlink_to(base.REPO / "extension/comfyui")
+    vae = BASE / "models/vae" / cn.VAE
+    if not vae.exists():  # (the same autoencoder as comfyui_real_controlnet_check.py's)
+        torch.manual_seed(4)
+        ae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2,
+                                     block_out_channels=(128, 256, 512, 512),
+                                     down_block_types=("DownEncoderBlock2D",) * 4,
+                                     up_block_types=("UpDecoderBlock2D",) * 4, use_quant_conv=False,
+                                     use_post_quant_conv=False)
+        layout.save(layout.vae_state_dict(ae), vae)
+    hint = BASE / "input" / cn.HINT
+    if not hint.exists():
+        Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8")).save(hint)
+
+
 def make_files() -> None:
     import diffusers
     import torch
     from safetensors.torch import save_file
 
-    cn.make_files()
+    only = set(os.environ.get("ONLY", "").split(",")) - {""}
+    if not only or any(o.startswith("f") for o in only):
+        cn.make_files()
+    else:  # (SD3 only: its VAE and hint, no FLUX transformer, LoRA or ControlNet)
+        _sd3_side_files()
     sys.path.insert(0, str(base.REPO / "tests"))
     from support import transformer_layout as layout
 
@@ -238,8 +285,13 @@ def image(prefix: str):
     import numpy as np
     from PIL import Image
 
-    files = sorted((BASE / "output/images").glob(f"{prefix}_*.png"))
-    return np.asarray(Image.open(files[-1]).convert("RGB"))
+    return np.asarray(Image.open(saved(BASE / "output/images", prefix, "png")).convert("RGB"))
+
+
+def latent(prefix: str):
+    from safetensors.torch import load_file
+
+    return load_file(str(saved(BASE / "output/latents", prefix, "latent")))["latent_tensor"].float()
 
 
 def vm_hwm(pid: int) -> float | None:
@@ -294,7 +346,7 @@ def main() -> None:
         for name, (_, engines, twin) in RUNS.items():
             if not engines or not all(summary["runs"].get(n, {}).get("error", 1) is None for n in (name, twin)):
                 continue
-            a, b = base.latent(name), base.latent(twin)
+            a, b = latent(name), latent(twin)
             summary["pairs"].append({"engine": name, "pytorch": twin,
                                      "latent_max_diff": (a - b).abs().max().item(),
                                      "latent_abs_max": b.abs().max().item(), "psnr_db": psnr(image(name), image(twin)),
@@ -302,9 +354,9 @@ def main() -> None:
                                      "s_per_it_pytorch": summary["runs"][twin]["s_per_it"]})
         for x, y, what in EFFECTS:
             if all(summary["runs"].get(n, {}).get("error", 1) is None for n in (x, y)):
-                summary["effects"][what] = (base.latent(x) - base.latent(y)).abs().max().item()
+                summary["effects"][what] = (latent(x) - latent(y)).abs().max().item()
         summary["peak_rss_gib"] = vm_hwm(server.pid)
-        summary["failures"] = verdict(summary["runs"], summary["pairs"])
+        summary["failures"] = verdict(summary["runs"], summary["pairs"], summary["effects"])
         print(json.dumps(summary, indent=1, default=str))
         print("OK" if not summary["failures"] else "FAILED: " + "; ".join(summary["failures"]))
         out = os.environ.get("SUMMARY")

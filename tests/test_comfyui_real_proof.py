@@ -65,6 +65,8 @@ def test_verdict_fails_a_pytorch_call_or_a_difference():
     assert p.verdict(runs, [{"engine": "e", "latent_max_diff": 2e-2, "psnr_db": 60.0}])
     assert p.verdict(runs, [{"engine": "e", "latent_max_diff": 2e-6, "psnr_db": 30.0}])
     assert p.verdict(runs, [{"engine": "e", "latent_max_diff": float("nan"), "psnr_db": None}])
+    assert p.verdict(runs, good, {"ControlNet": 0.5}) == []
+    assert p.verdict(runs, good, {"ControlNet": 0.0})  # (the net did not reach the latent)
 
 
 def test_the_graphs_put_the_build_node_before_the_lora_and_the_controlnet_on_the_conditioning():
@@ -79,3 +81,17 @@ def test_the_graphs_put_the_build_node_before_the_lora_and_the_controlnet_on_the
     s = p.sd3_graph("y", True, True)
     assert s["5"]["inputs"]["model"] == ["7", 0] and s["13"]["inputs"]["vae"] == ["20", 0]
     assert set(p.sd3_graph("y", False, True)) == set(s) - {"7"}
+
+
+def test_saved_takes_exactly_the_prefix(tmp_path):
+    p = _script()
+    for name in ("s_t_00001_.latent", "s_t_cn_00001_.latent", "s_t_00002_.latent", "s_t_cn_00002_.latent"):
+        (tmp_path / name).write_bytes(b"")
+    assert p.saved(tmp_path, "s_t", "latent").name == "s_t_00002_.latent"
+    assert p.saved(tmp_path, "s_t_cn", "latent").name == "s_t_cn_00002_.latent"
+    try:
+        p.saved(tmp_path, "s_e", "latent")
+    except FileNotFoundError:
+        pass
+    else:
+        raise AssertionError("no s_e file")
