@@ -44,6 +44,7 @@ def test_seconds_per_step_from_the_last_finished_bar():
     assert p.seconds_per_step(LOG) == 10.85
     assert p.seconds_per_step("100%|#| 4/4 [00:01<00:00,  2.50it/s]") == 0.4
     assert p.seconds_per_step("no bar") is None
+    assert p.executed_seconds(LOG) == 50.0 and p.executed_seconds("") is None
 
 
 def test_psnr():
