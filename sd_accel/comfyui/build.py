@@ -260,17 +260,25 @@ def build(model=None, vae=None, components: tuple[str, ...] = ("unet",), profile
         log.warning("sd-accel: building %d engine(s) (%s) on %s, %s", len(jobs),
                     ", ".join(f"{p.component} {p.weights_id}" for p in parts), be.name, precision)
         cache = st.cache()
+        had = {r.name for r in cache.list() if r.status == "ok"}
+        changed = True
         try:
             with torch.no_grad():
                 records = run_jobs(jobs, cache, be, progress=progress, cancel=cancel, validate=validate,
                                    context=lambda job: _context(modules[id(job.spec)]))
             keep_graphs_only(cache, records, [p.spec for p in parts])
+            # ComfyUI runs this node again whenever its cached output was dropped (another graph
+            # ran between): with every engine found already built and loaded, the loaded engines
+            # and their LoRA refits stay (reloading them and refitting again cost minutes).
+            changed = (any(r.name not in had for r in records)
+                       or not all(st.loaded(p.weights_id, p.component) for p in parts))
         except BuildCancelled:
             host.raise_if_interrupted()
             raise
         finally:
             cache.drop_unused_intermediates()
-            st.engines_changed()
+            if changed:
+                st.engines_changed()
     return records
 
 

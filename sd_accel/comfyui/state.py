@@ -114,6 +114,13 @@ class State:
             self._engines.clear()
             self.refits.close()
 
+    def loaded(self, wid: str, component: str = UNET) -> bool:
+        """``wid``'s ``component`` engines are loaded now (found by :meth:`engines_for` since the
+        last change), not merely known to be missing."""
+        key = (wid, component, self.backend_name(), str(self.cache().root), self.generation)
+        with self._lock:
+            return self._engines.get(key) is not None
+
     def engines_for(self, wid: str, component: str = UNET):
         """Usable engines of weights id ``wid`` (the backend's, else with auto another's that runs
         here), or None when there are none."""

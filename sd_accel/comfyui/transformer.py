@@ -27,7 +27,8 @@ diffusers' SD3 single-file converter), validated against diffusers' transformer 
 A strength change or another LoRA is another patch set (:func:`.identity.patch_set`): another
 refit, the previous one released first (:data:`KEPT_REFITS`); a MODEL without LoRA uses the base
 engine. ``transformer_control`` is refitted the same way, separately, at the first
-ControlNet call of a run with LoRA patches (a run without ControlNet never refits it); the engine never serves weights other than the ones the run's MODEL computes with (the
+ControlNet call of a run with LoRA patches (a run without ControlNet never refits it; the plain
+engine only at a call without residuals, so a run whose calls all carry them refits one engine); the engine never serves weights other than the ones the run's MODEL computes with (the
 patch set's uuid must be the one in the weights). Patches of weights the conversion does not
 carry, a partially loaded model (low VRAM: patches computed on the fly), hook LoRAs, INT8
 engines, and a refit that fails or would not fit in memory: the run in PyTorch, with the reason.
@@ -256,10 +257,10 @@ class EngineTransformer:
         reason = run.reason or self._reason(base, c_concat, control, options, kwargs)
         if reason is None and control is not None:
             reason = self._control_reason(run, base.diffusion_model)
-        if reason is None and run.refit:
+        if reason is None and run.refit and control is None:  # (a ControlNet call never needs the plain engine)
             self._refit(run, base.diffusion_model)
             reason = run.reason
-        if reason is None and run.engines is None:
+        if reason is None and control is None and run.engines is None:
             reason = f"no transformer engine for {self.ckpt_id} with {describe(run.loras)}"
         if reason is not None:
             self._count_torch(run, reason)
