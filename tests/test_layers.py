@@ -123,7 +123,7 @@ FACE_MODULES = {
           "sd_accel.preview",
           "sd_accel.samplers", "sd_accel.units", "sd_accel.backends.registry", "sd_accel.build",
           "sd_accel.cache.intermediates"},
-    "webui": {"sd_accel.components.ldm_", "sd_accel.runtime", "sd_accel.runtime.modules", "sd_accel.runtime.weights",
+    "webui": {"sd_accel.components.ldm_", "sd_accel.components.flux", "sd_accel.components.flux.", "sd_accel.runtime", "sd_accel.runtime.modules", "sd_accel.runtime.weights",
               "sd_accel.refit",
               "sd_accel.onnx.weights", "sd_accel.onnx.fingerprint", "sd_accel.onnx.export"},
     "bench": {"sd_accel.paths"},

@@ -20,6 +20,8 @@ from sd_accel.webui import host
 from sd_accel.webui.identity import LoraSet, checkpoint_hash, describe, weights_id
 from sd_accel.webui.runner import LdmEngines
 
+TRANSFORMER = "transformer"  # Forge's FLUX.1 (sd_accel.webui.forge_flux)
+
 log = logging.getLogger("sd_accel")
 
 # Settings page keys (registered by sd_accel.webui.settings).
@@ -149,7 +151,7 @@ class Controller:
         them): the UNet's (:class:`LdmEngines`) by default, another component's, or all (None)."""
         with self._lock:
             found = [e for k, e in self._engines.items() if e is not None and component in (None, k[1])]
-            if component in (None, COMPONENT, CONTROL):
+            if component in (None, COMPONENT, CONTROL, TRANSFORMER):
                 found.extend(self.refits.engines(component))
             return found
 
@@ -165,14 +167,15 @@ class Controller:
         cache = self.cache()
         key = (wid, component, backend.name, str(cache.root), self._generation)
         unet = component in (COMPONENT, CONTROL)
+        denoiser = unet or component == TRANSFORMER  # the fallback setting is for the denoiser's calls
         with self._lock:
             if key not in self._engines:
-                found = engines_for(cache, backend, wid, component, fallback=self.fallback() if unet else True,
+                found = engines_for(cache, backend, wid, component, fallback=self.fallback() if denoiser else True,
                                     on_refused=lambda why: self.say_once(f"not loading engine {why}"))
                 # backend "auto": the engines of another backend that runs here beat PyTorch (a
                 # build with "backend": "onnxruntime" while the setting says auto).
                 for other in self.other_backends(backend) if not found.handles else ():
-                    found = engines_for(cache, other, wid, component, fallback=self.fallback() if unet else True,
+                    found = engines_for(cache, other, wid, component, fallback=self.fallback() if denoiser else True,
                                         on_refused=lambda why: self.say_once(f"not loading engine {why}"))
                     if found.handles:
                         self.say_once(f"{wid} {component}: using its {other.name} engines (backend auto; "
@@ -183,7 +186,7 @@ class Controller:
                 else:
                     self._engines[key] = LdmEngines(wid, found) if unet else found
             engines = self._engines[key]
-            if engines is not None and unet:
+            if engines is not None and denoiser:
                 engines.set_fallback(self.fallback())  # the settings page may have changed it
             if engines is None and component == COMPONENT:
                 why = self.other_backend_note(wid, component)
@@ -253,7 +256,9 @@ class Controller:
             if component != COMPONENT:
                 where = (*where, component)  # (LoraRefits.engines tells them apart by it)
             spec = None
-            if component == CONTROL:
+            if component == TRANSFORMER:  # Forge's FLUX.1: refitted from its weights, converted as built
+                from sd_accel.webui.forge_flux import flux_refit_for as refit_for
+            elif component == CONTROL:
                 from sd_accel.components.ldm_control_unet import LdmControlUNetSpec
 
                 spec = LdmControlUNetSpec(unet)
@@ -268,7 +273,8 @@ class Controller:
                     return None, why
                 from sd_accel.webui.console import say
 
-                which = "engine" if component == COMPONENT else "residual-taking engine"
+                which = {COMPONENT: "engine", TRANSFORMER: "FLUX.1 transformer engine"}.get(component,
+                                                                                         "residual-taking engine")
                 say(f"refitting the {which} of {ckpt} for {lora_text(loras)} at its first call (LoRAs on the "
                     "engine without a rebuild; the base engine stays as it is)")
                 for why in refused:  # the others carry the LoRAs; these are left out

@@ -23,6 +23,8 @@ from sd_accel.components.ldm_unet import LdmUNetSpec
 from sd_accel.core import InvalidValue
 from sd_accel.profiles import Profile
 from sd_accel.webui import host
+from sd_accel.webui.forge_flux import build_profile, is_forge_flux
+from sd_accel.webui.forge_flux import family as forge_flux_family
 from sd_accel.webui.identity import LoraSet, checkpoint_hash, describe, forge_loras, merged_loras, weights_id
 from sd_accel.webui.tracing import module_context, no_sd_unet, plain_webui_attention
 
@@ -75,9 +77,12 @@ def export_source(model=None) -> ExportSource:
     patcher = host.forge_unet_patcher(model)
     loras = forge_loras(patcher) if patcher is not None else merged_loras(unet)
     ckpt = checkpoint_hash(info) or ("fp-" + fingerprint(unet)[:10])
-    spec = LdmUNetSpec(unet)
+    if is_forge_flux(unet):
+        family = forge_flux_family(unet)
+    else:
+        family = family_of(model, LdmUNetSpec(unet))
     return ExportSource(unet, ckpt, loras, str(getattr(info, "title", "") or getattr(info, "name", "")),
-                        str(getattr(info, "model_name", "") or ""), family_of(model, spec))
+                        str(getattr(info, "model_name", "") or ""), family)
 
 
 # --------------------------------------------------------------------------- the build
@@ -119,6 +124,8 @@ def loaded_components(source: ExportSource, components: tuple[str, ...], model, 
     from sd_accel.webui.stand_ins import COMPONENTS, find_modules, why_not
 
     jobs, skipped = [], []
+    if is_forge_flux(source.unet):
+        return _flux_components(source, components)
     found = find_modules(model) if any(c not in ("unet", "unet_control") for c in components) else {}
     for name in components:
         component = COMPONENTS[name]
@@ -153,6 +160,23 @@ def loaded_components(source: ExportSource, components: tuple[str, ...], model, 
             spec = (LdmVaeDecoderSpec if name == "vae_decoder" else LdmVaeEncoderSpec)(module)
             jobs.append(LoadedComponent(name, spec, ctl.weights_for(component, model, for_call=False), module,
                             {"vae": host.loaded_vae_hash()}))
+    return jobs, skipped
+
+
+def _flux_components(source: ExportSource, components: tuple[str, ...]) -> tuple[list[LoadedComponent], list[str]]:
+    """Forge's FLUX.1: ``unet`` is its transformer (diffusers' ``FluxTransformer2DModel`` made from
+    Forge's weights, component ``transformer``); the rest stays in Forge's PyTorch."""
+    from sd_accel.webui.forge_flux import spec_and_module
+
+    jobs, skipped = [], []
+    for name in components:
+        if name != "unet":
+            skipped.append(f"{name} (with FLUX.1 in Forge only the transformer runs on an engine: its "
+                           "ControlNet, VAE and text encoders stay in Forge's PyTorch)")
+            continue
+        spec, transformer = spec_and_module(source.unet)
+        jobs.append(LoadedComponent(name, spec, source.weights_id, transformer,
+                                    {"loras": [list(e) for e in source.loras], "forge_class": type(source.unet).__name__}))
     return jobs, skipped
 
 
@@ -240,4 +264,6 @@ def engine_job(job: LoadedComponent, source: ExportSource, profile: Profile, pre
             facts["latent_multiple"] = _latent_multiple(artifact.folder, job.spec)
         return {"webui": facts}
 
+    if getattr(job.spec, "name", None) == "transformer":
+        profile = build_profile(profile)  # Forge's T5 length unless the profile names one
     return EngineJob(job.spec, profile, precision, model_id=job.weights_id, record_extra=webui_facts)

@@ -38,10 +38,13 @@ class ModelPatcher:
         self.model_options["model_function_wrapper"] = unet_wrapper_function
 
     def add_patches(self, *, filename, patches, strength_patch=1.0, strength_model=1.0, online_mode=False):
-        """Forge's: only keys that name a parameter of the model (``named_parameters``) are taken."""
+        """Forge's: only keys that name a parameter of the model (``named_parameters``) are taken,
+        each patch scaled by ``strength_patch`` (Forge wraps the file's values as
+        ``[strength_patch, value, strength_model, offset, function]``; the stub's come wrapped at 1)."""
         lora_identifier = (filename, strength_patch, strength_model, online_mode)
         model_keys = set(k for k, _ in self.model.named_parameters())
-        self.lora_patches[lora_identifier] = {k: v for k, v in patches.items() if k in model_keys}
+        self.lora_patches[lora_identifier] = {
+            k: [(s * strength_patch, value, *rest) for s, value, *rest in v] for k, v in patches.items() if k in model_keys}
         return set(self.lora_patches[lora_identifier])
 
     def has_online_lora(self):
