@@ -8,9 +8,9 @@ of ``scripts/random_flux_files.py`` (docs/dev/forge-real.md, "FLUX.1 in a real F
 ``--models`` holds ``Stable-diffusion/``, ``VAE/``, ``text_encoder/`` and ``Lora/`` (hard links to the
 files); Forge is pointed at them with its own ``--ckpt-dir``, ``--vae-dir``, ``--text-encoder-dir``
 and ``--lora-dir`` and given its own settings file (``--ui-settings-file``), so a Forge sharing the
-folder is not affected. Forge runs WITH its web UI (no ``--nowebui``): only the UI fills the list
-that ``forge_additional_modules`` names are looked up in (``modules_forge/main_entry.py``'s
-``refresh_models``); with ``--nowebui`` the API silently drops them and no text encoder is loaded.
+folder is not affected. ``--nowebui`` starts it without its web UI (as ``forge_host_rss.py`` does);
+either way ``GET /sdapi/v1/sd-modules`` lists the VAE / text-encoder files and
+``forge_additional_modules`` takes their file names.
 
 Two runs, each ``POST /sdapi/v1/txt2img`` (the payload is written to ``<out>/payload.json``): plain,
 then with ``<lora:NAME:1>`` in the prompt. Recorded to ``<out>/forge_flux.json``: the Forge
@@ -67,6 +67,7 @@ def main() -> None:
                                          "ae-random.safetensors")
     ap.add_argument("--lora", default="flux-lora-random")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--nowebui", action="store_true", help="start Forge without its web UI (API only)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,7 +79,7 @@ def main() -> None:
     cmd = [args.python, "launch.py", *FLAGS, "--server-name", "127.0.0.1", "--port", str(args.port),
            "--ckpt-dir", str(models / "Stable-diffusion"), "--vae-dir", str(models / "VAE"),
            "--text-encoder-dir", str(models / "text_encoder"), "--lora-dir", str(models / "Lora"),
-           "--ui-settings-file", str(out / "config.json")]
+           "--ui-settings-file", str(out / "config.json"), *(["--nowebui"] if args.nowebui else [])]
     result: dict = {"command": cmd, "runs": []}
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=args.forge, stdout=sink, stderr=subprocess.STDOUT, env=env)
@@ -96,6 +97,7 @@ def main() -> None:
                     time.sleep(2)
             result["ready_s"] = round(time.time() - start, 1)
             result["ready_peak_gib"] = vm_kib(proc.pid, "VmHWM") / 2**20
+            result["sd_modules"] = [m["model_name"] for m in request(url + "/sdapi/v1/sd-modules")]
             images = {}
             for name, lora in (("plain", False), ("lora", True)):
                 body = payload(args, lora)
