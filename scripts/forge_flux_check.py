@@ -12,7 +12,7 @@ folder is not affected. ``--nowebui`` starts it without its web UI (as ``forge_h
 either way ``GET /sdapi/v1/sd-modules`` lists the VAE / text-encoder files and
 ``forge_additional_modules`` takes their file names.
 
-Two runs, each ``POST /sdapi/v1/txt2img`` (the payload is written to ``<out>/payload.json``): plain,
+Two runs, each ``POST /sdapi/v1/txt2img`` (the payloads are written to ``<out>/payload-<run>.json``): plain,
 then with ``<lora:NAME:1>`` in the prompt. Recorded to ``<out>/forge_flux.json``: the Forge
 process's VmHWM, each run's s/it and seconds, the FLUX/LoRA lines of Forge's log, the mean absolute
 difference of the two images.
