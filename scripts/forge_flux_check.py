@@ -12,10 +12,19 @@ folder is not affected. ``--nowebui`` starts it without its web UI (as ``forge_h
 either way ``GET /sdapi/v1/sd-modules`` lists the VAE / text-encoder files and
 ``forge_additional_modules`` takes their file names.
 
-Two runs, each ``POST /sdapi/v1/txt2img`` (the payloads are written to ``<out>/payload-<run>.json``): plain,
-then with ``<lora:NAME:1>`` in the prompt. Recorded to ``<out>/forge_flux.json``: the Forge
-process's VmHWM, each run's s/it and seconds, the FLUX/LoRA lines of Forge's log, the mean absolute
-difference of the two images.
+Runs, each ``POST /sdapi/v1/txt2img`` (the payloads are written to ``<out>/payload-<run>.json``): plain,
+then with ``<lora:NAME:S>`` in the prompt at each of ``--strengths``. ``--mode``:
+
+- ``torch`` (default): sd-accel's engine folder (``SD_ACCEL_ENGINE_DIR``) is an empty one under
+  ``<out>``: every call in Forge's PyTorch;
+- ``engines``: a 1-step 64 px txt2img loads the checkpoint with its modules, ``POST /sd-accel/build``
+  builds (or finds, in ``--engine-dir``) the transformer engine at static ``--size``, batch 1
+  (``--backend`` / ``--precision``, default auto), VmHWM is reset, then the same runs.
+
+Recorded to ``<out>/forge_flux-<mode>.json``: the Forge process's VmHWM (the runs' own in engines
+mode), each run's s/it and seconds, the FLUX/LoRA/sd-accel lines of Forge's log, the mean absolute
+difference of the images from the plain one, and, where ``<out>`` holds the torch mode's images,
+each engine image's PSNR against Forge's own.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from comfyui_host_rss import Sampler, log_since, vm_kib  # noqa: E402
+from comfyui_host_rss import Sampler, log_since, reset_peak, vm_kib  # noqa: E402
 from forge_host_rss import request, sampler_s_per_it  # noqa: E402
 
 FLAGS = ["--always-cpu", "--skip-torch-cuda-test", "--skip-version-check", "--skip-python-version-check",
@@ -43,10 +52,11 @@ KEEP = ("flux", "Flux", "LORA", "LoRA", "K-Model", "StateDict", "Missing", "Unex
         "sd-accel", "Begin to load", "Unload", "UNet Type", "memory")
 
 
-def payload(args, lora: bool) -> dict:
-    prompt = "a photo of a cat" + (f" <lora:{args.lora}:1.0>" if lora else "")
-    return {"prompt": prompt, "negative_prompt": "", "seed": 0, "steps": args.steps, "cfg_scale": 1.0,
-            "distilled_cfg_scale": 3.5, "width": args.size, "height": args.size, "sampler_name": "Euler",
+def payload(args, strength: float | None, steps: int | None = None, size: int | None = None) -> dict:
+    prompt = "a photo of a cat" + (f" <lora:{args.lora}:{strength:g}>" if strength is not None else "")
+    size = size or args.size
+    return {"prompt": prompt, "negative_prompt": "", "seed": 0, "steps": steps or args.steps, "cfg_scale": 1.0,
+            "distilled_cfg_scale": 3.5, "width": size, "height": size, "sampler_name": "Euler",
             "scheduler": "Simple", "batch_size": 1, "n_iter": 1, "send_images": True, "save_images": False,
             "override_settings": {"sd_model_checkpoint": args.checkpoint,
                                   "forge_additional_modules": args.modules.split(",")},
@@ -68,19 +78,25 @@ def main() -> None:
     ap.add_argument("--lora", default="flux-lora-random")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--nowebui", action="store_true", help="start Forge without its web UI (API only)")
+    ap.add_argument("--mode", choices=("torch", "engines"), default="torch")
+    ap.add_argument("--engine-dir", default="/work/forge/engines-flux")
+    ap.add_argument("--strengths", default="1.0", help="LoRA strengths, comma-separated")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--precision", default="auto")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models = Path(args.models)
-    log = out / "forge-flux.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    log = out / f"forge-flux-{args.mode}.log"
+    engine_dir = args.engine_dir if args.mode == "engines" else str(out / "no-engines")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SD_ACCEL_ENGINE_DIR": engine_dir, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "INSIGHTFACE_WHEEL": "joblib", "HANDREFINER_WHEEL": "joblib", "DEPTH_ANYTHING_WHEEL": "joblib",
            "DEPTH_ANYTHING_V2_WHEEL": "joblib"}
     cmd = [args.python, "launch.py", *FLAGS, "--server-name", "127.0.0.1", "--port", str(args.port),
            "--ckpt-dir", str(models / "Stable-diffusion"), "--vae-dir", str(models / "VAE"),
            "--text-encoder-dir", str(models / "text_encoder"), "--lora-dir", str(models / "Lora"),
            "--ui-settings-file", str(out / "config.json"), *(["--nowebui"] if args.nowebui else [])]
-    result: dict = {"command": cmd, "runs": []}
+    result: dict = {"command": cmd, "mode": args.mode, "engine_dir": engine_dir, "runs": []}
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=args.forge, stdout=sink, stderr=subprocess.STDOUT, env=env)
         sampler = Sampler(proc.pid)
@@ -98,9 +114,26 @@ def main() -> None:
             result["ready_s"] = round(time.time() - start, 1)
             result["ready_peak_gib"] = vm_kib(proc.pid, "VmHWM") / 2**20
             result["sd_modules"] = [m["model_name"] for m in request(url + "/sdapi/v1/sd-modules")]
+            if args.mode == "engines":
+                request(url + "/sdapi/v1/txt2img", payload(args, None, steps=1, size=64), timeout=args.timeout)
+                sink.flush()
+                mark = log.stat().st_size
+                t0 = time.time()
+                size = args.size
+                answer = request(url + "/sd-accel/build", {
+                    "components": ["unet"], "backend": args.backend, "precision": args.precision,
+                    "profile": {"batch": [1, 1, 1], "height": [size] * 3, "width": [size] * 3}}, timeout=args.timeout)
+                sink.flush()
+                result["build"] = {"s": round(time.time() - t0, 1), "built": answer.get("built"),
+                                   "not_built": answer.get("not_built"),
+                                   "peak_gib": vm_kib(proc.pid, "VmHWM") / 2**20,
+                                   "log": [ln for ln in log_since(log, mark).splitlines() if "sd-accel" in ln][-20:]}
+                print(json.dumps(result["build"], indent=1), flush=True)
+                result["peak_reset"] = reset_peak(proc.pid)
             images = {}
-            for name, lora in (("plain", False), ("lora", True)):
-                body = payload(args, lora)
+            runs = [("plain", None)] + [(f"lora{float(s):g}", float(s)) for s in args.strengths.split(",")]
+            for name, strength in runs:
+                body = payload(args, strength)
                 (out / f"payload-{name}.json").write_text(json.dumps(body, indent=1))
                 sink.flush()
                 mark = log.stat().st_size
@@ -110,7 +143,7 @@ def main() -> None:
                 sink.flush()
                 text = log_since(log, mark)
                 png = base64.b64decode(answer["images"][0])
-                (out / f"flux_{name}.png").write_bytes(png)
+                (out / f"flux_{args.mode}_{name}.png").write_bytes(png)
                 images[name] = png
                 info = json.loads(answer.get("info") or "{}")
                 result["runs"].append({"name": name, "s": round(seconds, 1), "s_per_it": sampler_s_per_it(text),
@@ -122,11 +155,19 @@ def main() -> None:
                 print(json.dumps(result["runs"][-1], indent=1), flush=True)
             import numpy as np
             from PIL import Image  # Forge's Python has Pillow and numpy
-            a, b = (np.asarray(Image.open(io.BytesIO(images[k])).convert("RGB"), dtype=np.float64)
-                    for k in ("plain", "lora"))
-            result["mean_abs_diff_plain_lora"] = float(np.abs(a - b).mean())
-            result["plain_stats"] = {"mean": float(a.mean()), "std": float(a.std())}
-            result["lora_stats"] = {"mean": float(b.mean()), "std": float(b.std())}
+
+            def pixels(png: bytes):
+                return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float64)
+
+            plain = pixels(images["plain"])
+            for run in result["runs"]:
+                a = pixels(images[run["name"]])
+                run["stats"] = {"mean": float(a.mean()), "std": float(a.std())}
+                run["mean_abs_diff_from_plain"] = float(np.abs(a - plain).mean())
+                theirs = out / f"flux_torch_{run['name']}.png"
+                if args.mode == "engines" and theirs.is_file():
+                    mse = float(((a - pixels(theirs.read_bytes())) ** 2).mean())
+                    run["psnr_vs_torch_db"] = float("inf") if mse == 0 else 10 * float(np.log10(255.0**2 / mse))
         finally:
             result["peak_gib"] = max(sampler.peak, vm_kib(proc.pid, "VmHWM")) / 2**20
             if proc.poll() is None:
@@ -136,7 +177,7 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            (out / "forge_flux.json").write_text(json.dumps(result, indent=1))
+            (out / f"forge_flux-{args.mode}.json").write_text(json.dumps(result, indent=1))
             print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
 
 
