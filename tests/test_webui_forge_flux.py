@@ -87,6 +87,14 @@ def test_forge_flux_builds_and_runs_on_the_transformer_engine(forge_flux, caplog
     webui, model, module = forge_flux
     from sd_accel.webui.controller import controller
 
+    ctl = controller()
+    ctl.job_started()  # before any build: Forge's module, and the job's line says why
+    first = _call(0)
+    torch.testing.assert_close(_sample(model, first), module(**first))
+    line = ctl.job_finished()
+    assert "FLUX.1 transformer calls this job: 0 on engines" in line, line
+    assert "no FLUX.1 transformer engine for this checkpoint" in line and "UNet" not in line, line
+
     profile = {"batch": [1, 1, 2], "height": [64, 64, 64], "width": [64, 64, 64], "text": [TEXT, TEXT, TEXT]}
     response = webui.client().post("/sd-accel/build", json={"components": ["unet", "vae_decoder"],
                                                            "profile": profile})
@@ -102,7 +110,6 @@ def test_forge_flux_builds_and_runs_on_the_transformer_engine(forge_flux, caplog
     status = status_markdown()  # the tab reads the loaded FLUX.1 without an LDM UNet's spec
     assert "runs in the WebUI's own PyTorch" not in status, status
     caplog.set_level(logging.INFO, logger="sd_accel")
-    ctl = controller()
     ctl.job_started()
     call = _call(1)
     with torch.no_grad():

@@ -59,6 +59,7 @@ class Job:
     used: set = field(default_factory=set)  # weights ids whose engines served this job
     lora_line: Any = None  # () -> which LoRAs the UNet's engine carries (a refit), for the report
     parked: Any = None  # Forge: the torch UNet whose weights this job parked (released at its end)
+    denoiser: str = COMPONENT  # the component the job's line leads with (Forge's FLUX.1: "transformer")
 
 
 class Controller:
@@ -434,11 +435,12 @@ class Controller:
         if why:
             self.note(why)
         lines = []
-        for component in (COMPONENT, *[c for c in LABELS if c != COMPONENT]):
+        lead = self.job.denoiser
+        for component in (lead, *[c for c in LABELS if c != lead]):
             stats = [e.stats for e in self.loaded(component)]
             engine_calls = sum(s.engine_calls for s in stats)
             torch_calls = sum(s.torch_calls for s in stats)
-            if not engine_calls and not torch_calls and not (component == COMPONENT and self.job.notes):
+            if not engine_calls and not torch_calls and not (component == lead and self.job.notes):
                 continue
             reasons: dict[str, int] = {}
             for s in stats:

@@ -166,6 +166,7 @@ def patch_for_sampling(p, ctl, patcher, park: Callable) -> bool:
     with its ``park`` for the torch weights while engines serve)."""
     from sd_accel.webui.identity import checkpoint_hash, describe, forge_loras, weights_id
 
+    ctl.job.denoiser = COMPONENT  # the job's line counts the transformer's calls
     ckpt = checkpoint_hash(host.checkpoint_info(p.sd_model))
     if ckpt is None:
         return False
