@@ -282,6 +282,8 @@ class Controller:
                     say(f"not refitting {why}")
                 self.refits.make_room(where, keep)  # the set that gives way leaves memory first
                 self.release_idle(ckpt, component, keep)  # and the other kind's idle engines
+                if component == TRANSFORMER:  # the base engine serves no call of a LoRA job: it leaves
+                    base.close()  # memory before the refit (a job without LoRA loads it again, seconds)
                 try:
                     refit = refit_for(base, loras, ckpt, unet, spec, merge)
                 except Exception as exc:  # never stop the image: PyTorch, and say why once

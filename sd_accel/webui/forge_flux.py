@@ -229,7 +229,7 @@ class FluxRefit(Refit):
             if why:
                 raise EngineError(why)
             _copy_fits(module, handle)
-            transformer = to_diffusers(module)
+            transformer = to_diffusers(module, copy=False)  # Forge's merged weights as they are
             spec = FluxTransformerSpec(FluxFromForge(transformer))
             return refit_engine(handle, effective_weights(transformer), spec, lambda f, m: report(handle.name, f, m))
 
@@ -238,9 +238,10 @@ class FluxRefit(Refit):
 
 
 def _copy_fits(module: torch.nn.Module, handle) -> None:
-    """Raise EngineError before a refit whose float32 copy of the (LoRA-merged) transformer and the
-    refitted engine would not fit in the memory available now (at FLUX.1's real size the copy
-    alone is 48 GB): the job then goes on in Forge's PyTorch, Forge untouched."""
+    """Raise EngineError before a refit whose float32 copies of the (LoRA-merged) transformer's
+    weights that are not float32 already (Forge keeps float32 on the CPU: none; fp8 / bf16 storage
+    on a GPU: all, 48 GB at FLUX.1's real size) and the refitted engine would not fit in the memory
+    available now: the job then goes on in Forge's PyTorch, Forge untouched."""
     from sd_accel.core import EngineError
     from sd_accel.refit import _gib as gib
     from sd_accel.refit import available_memory
@@ -248,7 +249,8 @@ def _copy_fits(module: torch.nn.Module, handle) -> None:
     free = available_memory()
     if free is None:
         return
-    need = 4 * sum(t.numel() for t in module.state_dict().values()) + int(getattr(handle.record, "size_bytes", 0) or 0)
+    need = 4 * sum(t.numel() for t in module.state_dict().values() if t.dtype != torch.float32)
+    need += int(getattr(handle.record, "size_bytes", 0) or 0)
     if need > free:
         raise EngineError(f"not enough memory to refit {handle.name}: a float32 copy of the LoRA-merged transformer "
                           f"and the engine need ~{gib(need)}, {gib(free)} available; close other applications, or "

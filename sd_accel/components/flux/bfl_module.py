@@ -70,9 +70,11 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.is_inference() else t
 
 
-def to_diffusers(module: torch.nn.Module) -> torch.nn.Module:
+def to_diffusers(module: torch.nn.Module, copy: bool = True) -> torch.nn.Module:
     """diffusers' ``FluxTransformer2DModel`` with ``module``'s weights (float32; views where they
-    already are)."""
+    already are). ``copy`` False: the host's inference-mode tensors are taken as they are, not
+    copied (a refit's weights and its check against torch: at FLUX.1's size the copy is what does
+    not fit); such a module runs, but cannot be exported."""
     import diffusers
 
     from sd_accel.models.families import get_family, load_family_configs
@@ -82,7 +84,7 @@ def to_diffusers(module: torch.nn.Module) -> torch.nn.Module:
     why = unsupported(module)
     if why is not None:
         raise InvalidValue(why)
-    state = {k: plain(v) for k, v in module.state_dict().items()}
+    state = {k: plain(v) if copy else v.detach() for k, v in module.state_dict().items()}
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     family = "flux-dev" if params_of(module).guidance_embed else "flux-schnell"
     base = load_family_configs(get_family(family))["transformer/config.json"]
@@ -99,7 +101,8 @@ def to_diffusers(module: torch.nn.Module) -> torch.nn.Module:
     missing = set(model.state_dict()) - set(converted)
     if missing:
         raise InvalidValue(f"the Flux model's weights do not map onto diffusers' (missing {sorted(missing)[:3]})")
-    model.load_state_dict(converted, assign=True)
+    with torch.inference_mode(not copy):  # (a Parameter takes an inference tensor only in inference mode)
+        model.load_state_dict(converted, assign=True)
     return model.eval()
 
 
