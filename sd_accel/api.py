@@ -9,8 +9,9 @@ What the faces (CLI, panel and app, serve, bench, the WebUI adapter) may use, ch
   (``backends.registry``), the builder (``build``) and the cache's folder names
   (``cache.intermediates``);
 - the WebUI adapter besides: it builds from the WebUI's own LDM modules, not a diffusers
-  pipeline, so it uses their specs (``components.ldm_*``; Forge's FLUX.1: ``components.flux``, whose
-  ``bfl_module`` converts Black Forest Labs' module as the host holds it), the runtime's public entry
+  pipeline, so it uses their specs (``components.ldm_*``; Forge's FLUX.1 and SD3.5: ``components.flux``
+  and ``components.sd3``, whose ``bfl_module`` / ``sai_module`` convert Black Forest Labs' and
+  Stability's modules as the host holds them), the runtime's public entry
   (``runtime``, ``runtime.modules.ProxyModule``), the parking of the host's torch UNet while
   engines serve (``runtime.weights``: Forge keeps it in RAM), the refit (``refit``, ``onnx.weights``) and
   the ONNX helpers its weights ids and exports need (``onnx.fingerprint``, ``onnx.export``);

@@ -1,9 +1,9 @@
 """FLUX.1 / SD3 loaded in the WebUI (issue 45: "A1111 has neither family: the tab says so
 plainly"): sd-accel does not put these families on engines inside the WebUI yet (Forge's FLUX.1
-excepted: ``test_webui_forge_flux.py``), so the tab's
+and SD3.5 excepted: ``test_webui_forge_flux.py``, ``test_webui_forge_sd3.py``), so the tab's
 status, a build request and a generation say so in plain words, and the generation runs in the
 WebUI's own PyTorch. Stand-in WebUIs (``tests/webui_stub``) with the loaded diffusion model swapped
-for a module of the class Forge 2 (``MMDiTX``, ``IntegratedChromaTransformer2DModel``) or A1111 1.10 (``MMDiT``)
+for a module of the class Forge 2 (``IntegratedChromaTransformer2DModel``) or A1111 1.10 (``MMDiT``)
 loads for those files."""
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ def _named(name: str, like: torch.nn.Module) -> torch.nn.Module:
     return type(name, (torch.nn.Module,), {"forward": forward})()
 
 
-@pytest.mark.parametrize(("forge", "cls", "family"), [(True, "MMDiTX", "SD3 / SD3.5"),
-                                                      (True, "IntegratedChromaTransformer2DModel", "Chroma"),
+@pytest.mark.parametrize(("forge", "cls", "family"), [(True, "IntegratedChromaTransformer2DModel", "Chroma"),
                                                       (False, "MMDiT", "SD3")])
 def test_a_transformer_family_says_it_runs_in_the_webuis_pytorch(tmp_path, caplog, forge, cls, family):
     webui = harness.start(tmp_path, forge=forge, options={"sd_accel_backend": "onnxruntime"})

@@ -20,7 +20,7 @@ from sd_accel.webui import host
 from sd_accel.webui.identity import LoraSet, checkpoint_hash, describe, weights_id
 from sd_accel.webui.runner import LdmEngines
 
-TRANSFORMER = "transformer"  # Forge's FLUX.1 (sd_accel.webui.forge_flux)
+TRANSFORMER = "transformer"  # Forge's FLUX.1 / SD3.5 (sd_accel.webui.forge_transformer)
 
 log = logging.getLogger("sd_accel")
 
@@ -59,7 +59,8 @@ class Job:
     used: set = field(default_factory=set)  # weights ids whose engines served this job
     lora_line: Any = None  # () -> which LoRAs the UNet's engine carries (a refit), for the report
     parked: Any = None  # Forge: the torch UNet whose weights this job parked (released at its end)
-    denoiser: str = COMPONENT  # the component the job's line leads with (Forge's FLUX.1: "transformer")
+    denoiser: str = COMPONENT  # the component the job's line leads with (Forge's FLUX.1 / SD3.5: "transformer")
+    denoiser_label: str | None = None  # its name in the line, where not the component's ("FLUX.1 transformer")
 
 
 class Controller:
@@ -257,8 +258,8 @@ class Controller:
             if component != COMPONENT:
                 where = (*where, component)  # (LoraRefits.engines tells them apart by it)
             spec = None
-            if component == TRANSFORMER:  # Forge's FLUX.1: refitted from its weights, converted as built
-                from sd_accel.webui.forge_flux import flux_refit_for as refit_for
+            if component == TRANSFORMER:  # Forge's FLUX.1 / SD3.5: refitted from its weights, converted as built
+                from sd_accel.webui.forge_transformer import transformer_refit_for as refit_for
             elif component == CONTROL:
                 from sd_accel.components.ldm_control_unet import LdmControlUNetSpec
 
@@ -274,7 +275,7 @@ class Controller:
                     return None, why
                 from sd_accel.webui.console import say
 
-                which = {COMPONENT: "engine", TRANSFORMER: "FLUX.1 transformer engine"}.get(component,
+                which = {COMPONENT: "engine", TRANSFORMER: "transformer engine"}.get(component,
                                                                                          "residual-taking engine")
                 say(f"refitting the {which} of {ckpt} for {lora_text(loras)} at its first call (LoRAs on the "
                     "engine without a rebuild; the base engine stays as it is)")
@@ -448,7 +449,8 @@ class Controller:
             for s in stats:
                 for why, n in s.fallbacks.items():
                     reasons[why] = reasons.get(why, 0) + n
-            line = f"sd-accel: {LABELS[component]} calls this job: {engine_calls} on engines, {torch_calls} in PyTorch"
+            label = self.job.denoiser_label if component == lead and self.job.denoiser_label else LABELS[component]
+            line = f"sd-accel: {label} calls this job: {engine_calls} on engines, {torch_calls} in PyTorch"
             if reasons:
                 line += " (" + "; ".join(f"{n}x {why}" for why, n in reasons.items()) + ")"
             lines.append(line)

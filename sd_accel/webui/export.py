@@ -23,8 +23,8 @@ from sd_accel.components.ldm_unet import LdmUNetSpec
 from sd_accel.core import InvalidValue
 from sd_accel.profiles import Profile
 from sd_accel.webui import host
-from sd_accel.webui.forge_flux import build_profile, is_forge_flux
-from sd_accel.webui.forge_flux import family as forge_flux_family
+from sd_accel.webui.forge_transformer import build_profile, is_forge_transformer
+from sd_accel.webui.forge_transformer import family as transformer_family
 from sd_accel.webui.identity import LoraSet, checkpoint_hash, describe, forge_loras, merged_loras, weights_id
 from sd_accel.webui.tracing import module_context, no_sd_unet, plain_webui_attention
 
@@ -77,8 +77,8 @@ def export_source(model=None) -> ExportSource:
     patcher = host.forge_unet_patcher(model)
     loras = forge_loras(patcher) if patcher is not None else merged_loras(unet)
     ckpt = checkpoint_hash(info) or ("fp-" + fingerprint(unet)[:10])
-    if is_forge_flux(unet):
-        family = forge_flux_family(unet)
+    if is_forge_transformer(unet):
+        family = transformer_family(unet)
     else:
         family = family_of(model, LdmUNetSpec(unet))
     return ExportSource(unet, ckpt, loras, str(getattr(info, "title", "") or getattr(info, "name", "")),
@@ -124,8 +124,8 @@ def loaded_components(source: ExportSource, components: tuple[str, ...], model, 
     from sd_accel.webui.stand_ins import COMPONENTS, find_modules, why_not
 
     jobs, skipped = [], []
-    if is_forge_flux(source.unet):
-        return _flux_components(source, components)
+    if is_forge_transformer(source.unet):
+        return _transformer_components(source, components)
     found = find_modules(model) if any(c not in ("unet", "unet_control") for c in components) else {}
     for name in components:
         component = COMPONENTS[name]
@@ -163,15 +163,16 @@ def loaded_components(source: ExportSource, components: tuple[str, ...], model, 
     return jobs, skipped
 
 
-def _flux_components(source: ExportSource, components: tuple[str, ...]) -> tuple[list[LoadedComponent], list[str]]:
-    """Forge's FLUX.1: ``unet`` is its transformer (diffusers' ``FluxTransformer2DModel`` made from
-    Forge's weights, component ``transformer``); the rest stays in Forge's PyTorch."""
-    from sd_accel.webui.forge_flux import spec_and_module
+def _transformer_components(source: ExportSource, components: tuple[str, ...]) -> tuple[list[LoadedComponent], list[str]]:
+    """Forge's FLUX.1 / SD3.5: ``unet`` is its transformer (diffusers' ``FluxTransformer2DModel`` /
+    ``SD3Transformer2DModel`` made from Forge's weights, component ``transformer``); the rest stays
+    in Forge's PyTorch."""
+    from sd_accel.webui.forge_transformer import spec_and_module, title
 
     jobs, skipped = [], []
     for name in components:
         if name != "unet":
-            skipped.append(f"{name} (with FLUX.1 in Forge only the transformer runs on an engine: its "
+            skipped.append(f"{name} (with {title(source.unet)} in Forge only the transformer runs on an engine: its "
                            "ControlNet, VAE and text encoders stay in Forge's PyTorch)")
             continue
         spec, transformer = spec_and_module(source.unet)

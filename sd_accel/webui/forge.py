@@ -205,10 +205,10 @@ def patch_for_sampling(p, ctl: Controller | None = None) -> bool:
     if ctl.job.torch_only:
         ctl.note(f"this job runs the UNet in PyTorch: {ctl.job.torch_only}")
         return False
-    from sd_accel.webui import forge_flux
+    from sd_accel.webui import forge_transformer
 
-    if forge_flux.is_forge_flux(patcher.model.diffusion_model):
-        return forge_flux.patch_for_sampling(p, ctl, patcher, _park)
+    if forge_transformer.is_forge_transformer(patcher.model.diffusion_model):
+        return forge_transformer.patch_for_sampling(p, ctl, patcher, _park)
     why = host.not_on_engines(patcher.model.diffusion_model)
     if why is not None:
         ctl.say_once(why)

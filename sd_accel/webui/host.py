@@ -114,8 +114,8 @@ def transformer_family(unet: torch.nn.Module) -> str | None:
 def not_on_engines(unet: torch.nn.Module) -> str | None:
     """What to tell a user whose loaded model is a transformer family's, or None."""
     family = transformer_family(unet)
-    if family is None or type(getattr(unet, "torch_unet", unet)).__name__ == "IntegratedFluxTransformer2DModel":
-        return None  # (Forge's FLUX.1 runs on a transformer engine: sd_accel.webui.forge_flux)
+    if family is None or type(getattr(unet, "torch_unet", unet)).__name__ in ("IntegratedFluxTransformer2DModel", "MMDiTX"):
+        return None  # (Forge's FLUX.1 and SD3.5 run on a transformer engine: sd_accel.webui.forge_transformer)
     return (f"the loaded model is {family} ({type(unet).__name__}): sd-accel does not run {family} on engines "
             "inside the WebUI yet, so it runs in the WebUI's own PyTorch. For it on engines use sd-accel's ComfyUI "
             "pack, `sd-accel generate` (or load_pipeline + accelerate) or `sd-accel serve`")

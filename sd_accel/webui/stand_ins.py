@@ -41,7 +41,7 @@ log = logging.getLogger("sd_accel")
 COMPONENTS = {"unet": "ldm_unet", "vae_decoder": DECODER, "vae_encoder": ENCODER, "clip": CLIP,
               "unet_control": CONTROL}
 LABELS = {"ldm_unet": "UNet", DECODER: "VAE decoder", ENCODER: "VAE encoder", CLIP: "text encoder",
-          CONTROL: "UNet with ControlNet residuals", "transformer": "FLUX.1 transformer"}
+          CONTROL: "UNet with ControlNet residuals", "transformer": "transformer"}
 MARK = "_sd_accel_component"
 
 

@@ -1,17 +1,20 @@
-"""Forge's FLUX.1 on a transformer engine: the build from the loaded model, the calls during sampling.
+"""Forge's transformer families on an engine: FLUX.1 and SD3.5; the build from the loaded model, the
+calls during sampling.
 
-Forge 2 loads a FLUX.1 checkpoint into ``backend.nn.flux.IntegratedFluxTransformer2DModel``
-(Black Forest Labs' layout, the same as ComfyUI's ``Flux``), wrapped by ``KModel``, whose
+Forge 2 loads a FLUX.1 checkpoint into ``backend.nn.flux.IntegratedFluxTransformer2DModel`` (Black
+Forest Labs' layout, ComfyUI's ``Flux`` too) and an SD3 / SD3.5 one into
+``backend.nn.mmditx.MMDiTX`` (Stability's layout), each wrapped by ``KModel``, whose
 ``apply_model`` scales the input and calls it as
-``diffusion_model(x, sigma, context=t5, control=None, transformer_options={}, y=clip_pooled, guidance=g)``.
-The engine is diffusers' ``FluxTransformer2DModel`` (component ``transformer``) made from those
-weights (:mod:`sd_accel.components.flux.bfl_module`, shared with ComfyUI's pack), keyed by the
-checkpoint as the UNet's engines are; a call is fed to it in diffusers' form (2x2 patch tokens,
-rotary ids, the sigma as the timestep) and its output given back in Forge's shape.
+``diffusion_model(x, t, context=..., control=None, transformer_options={}, y=pooled[, guidance=g])``
+(t: FLUX.1's sigma, SD3's sigma x 1000). The engine is diffusers' ``FluxTransformer2DModel`` /
+``SD3Transformer2DModel`` (component ``transformer``) made from those weights
+(:mod:`sd_accel.components.flux.bfl_module`, :mod:`sd_accel.components.sd3.sai_module`, shared with
+ComfyUI's pack), keyed by the checkpoint as the UNet's engines are; a call is fed to it in
+diffusers' form and its output given back in Forge's shape.
 
 As for the UNet (:mod:`.forge`): an object patch swaps ``diffusion_model`` for
-:class:`EngineFluxModel` during sampling; it holds the torch module's parameters as its own, so
-Forge's LoRA merge finds them by their names, and a LoRA job refits the checkpoint's engine to
+:class:`EngineTransformerModel` during sampling; it holds the torch module's parameters as its own,
+so Forge's LoRA merge finds them by their names, and a LoRA job refits the checkpoint's engine to
 the merged weights at its first call (:mod:`.lora`). What the engine does not compute runs in
 Forge's PyTorch, counted with the reason: a shape no profile covers, ControlNet residuals,
 patches of other extensions, a guidance-distilled call without guidance.
@@ -33,22 +36,38 @@ from sd_accel.webui.lora import _console_progress as console_progress
 log = logging.getLogger("sd_accel")
 
 COMPONENT = "transformer"
-CLASS = "IntegratedFluxTransformer2DModel"
-# Forge's T5 pads FLUX.1 prompts to 256 tokens (``T5TextProcessingEngine(min_length=256)``); longer
-# prompts grow it, which a profile with a text range covers.
+# Forge's T5 pads prompts to 256 tokens for both families (``T5TextProcessingEngine(min_length=256)``;
+# SD3's context puts CLIP's 77 columns first); longer prompts grow it, which a text range covers.
 TEXT = 256
 OBJECT_PATCH = "diffusion_model"
 INFORMATIONAL = ("control_model",)  # keyword arguments Forge passes that the model does not compute with
+CLASSES = {"IntegratedFluxTransformer2DModel": "flux", "MMDiTX": "sd3"}  # Forge's classes, by family
+TITLES = {"flux": "FLUX.1", "sd3": "SD3.5"}
 
 
-def is_forge_flux(module: torch.nn.Module) -> bool:
-    """Forge's FLUX.1 class (Chroma's, a subclass of another layout, is not)."""
-    return type(getattr(module, "torch_unet", module)).__name__ == CLASS
+def family_of(module: torch.nn.Module) -> str | None:
+    """``flux`` or ``sd3`` for Forge's transformer classes, else None (Chroma's is another layout)."""
+    return CLASSES.get(type(getattr(module, "torch_unet", module)).__name__)
+
+
+def is_forge_transformer(module: torch.nn.Module) -> bool:
+    return family_of(module) is not None
+
+
+def _module(fam: str):
+    """The host-neutral conversion and feed of ``fam``."""
+    if fam == "flux":
+        from sd_accel.components.flux import bfl_module
+
+        return bfl_module
+    from sd_accel.components.sd3 import sai_module
+
+    return sai_module
 
 
 class FluxFromForge:
-    """What the library's transformer specs read of a pipeline (named ``Flux…`` for their family
-    lookup): the module and the VAE's scale."""
+    """What the library's transformer specs read of a pipeline (named ``Flux…`` / ``StableDiffusion3…``
+    for their family lookup): the module and the VAE's scale."""
 
     vae = None
     vae_scale_factor = 8
@@ -57,20 +76,39 @@ class FluxFromForge:
         self.transformer = transformer
 
 
+class StableDiffusion3FromForge(FluxFromForge):
+    """(named for the specs' family lookups)"""
+
+
 def family(module: torch.nn.Module) -> str:
-    """``flux-dev`` (guidance-distilled) or ``flux-schnell``."""
+    """The record's family: ``flux-dev`` (guidance-distilled), ``flux-schnell`` or ``sd3``."""
+    if family_of(module) == "sd3":
+        return "sd3"
     from sd_accel.components.flux.bfl_module import params_of
 
     return "flux-dev" if params_of(module).guidance_embed else "flux-schnell"
 
 
+def title(module: torch.nn.Module) -> str:
+    return TITLES.get(family_of(module) or "", "the transformer")
+
+
+def spec_for(fam: str, transformer: torch.nn.Module):
+    """The engine spec of diffusers' transformer ``transformer`` of family ``fam``."""
+    if fam == "flux":
+        from sd_accel.components.flux import FluxTransformerSpec
+
+        return FluxTransformerSpec(FluxFromForge(transformer))
+    from sd_accel.components.sd3 import SD3TransformerSpec
+
+    return SD3TransformerSpec(StableDiffusion3FromForge(transformer))
+
+
 def spec_and_module(module: torch.nn.Module):
     """(the engine spec, diffusers' transformer with ``module``'s weights in float32)."""
-    from sd_accel.components.flux import FluxTransformerSpec
-    from sd_accel.components.flux.bfl_module import to_diffusers
-
-    transformer = to_diffusers(module)
-    return FluxTransformerSpec(FluxFromForge(transformer)), transformer
+    fam = family_of(module)
+    transformer = _module(fam).to_diffusers(module)
+    return spec_for(fam, transformer), transformer
 
 
 def build_profile(profile):
@@ -78,12 +116,13 @@ def build_profile(profile):
     return profile if getattr(profile, "text", None) is not None else replace(profile, text=(TEXT, TEXT, TEXT))
 
 
-def call_reason(module: torch.nn.Module, guidance, control, options: dict, kwargs: dict) -> str | None:
+def call_reason(module: torch.nn.Module, y, guidance, control, options: dict, kwargs: dict) -> str | None:
     """What in this call the engine does not compute (Forge computes it), or None."""
     from sd_accel.components.flux.bfl_module import params_of
 
+    fam = family_of(module)
     if control is not None:
-        return "ControlNet residuals are not in the FLUX.1 engine inside Forge"
+        return f"ControlNet residuals are not in the {TITLES[fam]} engine inside Forge"
     patches = [k for k in ("patches", "patches_replace") if options.get(k)]
     if patches:
         names = sorted({n for k in patches for n in options[k]})
@@ -91,12 +130,14 @@ def call_reason(module: torch.nn.Module, guidance, control, options: dict, kwarg
     extra = sorted(k for k, v in kwargs.items() if v is not None and k not in INFORMATIONAL)
     if extra:
         return f"arguments the engine was not built for: {', '.join(extra)}"
-    if params_of(module).guidance_embed and guidance is None:
+    if fam == "flux" and params_of(module).guidance_embed and guidance is None:
         return "no guidance for a guidance-distilled FLUX.1"
+    if fam == "sd3" and (y is None or guidance is not None):
+        return "no pooled text (y) in the call" if y is None else "a guidance input SD3 does not take"
     return None
 
 
-class EngineFluxModel(ProxyModule):
+class EngineTransformerModel(ProxyModule):
     """Forge's ``diffusion_model`` during sampling: the transformer engine where it covers the call,
     Forge's torch module elsewhere. The torch module's submodules, parameters and buffers are this
     module's own (the same dicts: Forge merges LoRA weights by their names)."""
@@ -134,16 +175,15 @@ class EngineFluxModel(ProxyModule):
 
     def forward(self, x, timestep=None, context=None, y=None, guidance=None, control=None, transformer_options=None,
                 **kwargs):
-        from sd_accel.components.flux.bfl_module import feed, output
-
         module = self.__dict__["torch_unet"]
+        fam = family_of(module)
         options = transformer_options if transformer_options is not None else {}
 
         def in_torch() -> torch.Tensor:
-            return module(x, timestep, context=context, y=y, guidance=guidance, control=control,
-                          transformer_options=options, **kwargs)
+            more = dict(kwargs, guidance=guidance) if guidance is not None else kwargs  # (SD3 takes none)
+            return module(x, timestep, context=context, y=y, control=control, transformer_options=options, **more)
 
-        reason = call_reason(module, guidance, control, options, kwargs)
+        reason = call_reason(module, y, guidance, control, options, kwargs)
         engines = self._engines() if reason is None else (self.__dict__["engines"] or self.__dict__["_base"])
         if engines is None:
             engines = self.__dict__["_base"]
@@ -152,43 +192,47 @@ class EngineFluxModel(ProxyModule):
             if engines is not None:
                 engines.torch_call(reason)
             return in_torch()
-        inputs, shape = feed(module, x, timestep, context, y, guidance)
+        code = _module(fam)
+        if fam == "flux":
+            inputs, shape = code.feed(module, x, timestep, context, y, guidance)
+        else:
+            inputs, shape = code.feed(module, x, timestep, context, y)
         out = engines.run(inputs, need=("latent",))
         if out is None:  # counted, with the reason, by the engines
             return in_torch()
         # copy: the engine reuses its output buffer on the next call
-        return output(out["latent"], shape).to(device=x.device, dtype=x.dtype, copy=True)
+        return code.output(out["latent"], shape).to(device=x.device, dtype=x.dtype, copy=True)
 
 
 def patch_for_sampling(p, ctl, patcher, park: Callable) -> bool:
     """Swap the checkpoint's transformer engine (refitted for the job's LoRAs) into ``p.sd_model``'s
-    FLUX.1 for the coming sampling pass; True when done (:func:`.forge.patch_for_sampling` calls it,
+    FLUX.1 / SD3.5 for the coming sampling pass; True when done (:func:`.forge.patch_for_sampling` calls it,
     with its ``park`` for the torch weights while engines serve)."""
     from sd_accel.webui.identity import checkpoint_hash, describe, forge_loras, weights_id
 
+    torch_unet = patcher.model.diffusion_model
+    torch_unet = getattr(torch_unet, "torch_unet", torch_unet)  # a pass before left ours in place
+    name = title(torch_unet)
     ctl.job.denoiser = COMPONENT  # the job's line counts the transformer's calls
+    ctl.job.denoiser_label = f"{name} transformer"
     ckpt = checkpoint_hash(host.checkpoint_info(p.sd_model))
     if ckpt is None:
         return False
-    from sd_accel.components.flux.bfl_module import unsupported
-
-    torch_unet = patcher.model.diffusion_model
-    torch_unet = getattr(torch_unet, "torch_unet", torch_unet)  # a pass before left ours in place
-    why = unsupported(torch_unet)
+    why = _module(family_of(torch_unet)).unsupported(torch_unet)
     if why is not None:
-        ctl.say_once(f"FLUX.1 runs in PyTorch: {why}")
+        ctl.say_once(f"{name} runs in PyTorch: {why}")
         return False
     loras = forge_loras(patcher)
     wid = weights_id(ckpt, loras)
     engines, reason = ctl.engines_or_reason(wid, COMPONENT)
     if reason is not None:
-        ctl.note(f"the FLUX.1 transformer runs in PyTorch: {reason}")
+        ctl.note(f"the {name} transformer runs in PyTorch: {reason}")
         return False
     resolve = base = None
     if engines is None:
         base, _ = ctl.engines_or_reason(weights_id(ckpt), COMPONENT)
         if base is None:
-            ctl.note(f"no FLUX.1 transformer engine for this checkpoint ({ckpt}) yet: it runs in PyTorch (build one "
+            ctl.note(f"no {name} transformer engine for this checkpoint ({ckpt}) yet: it runs in PyTorch (build one "
                      "in the sd-accel tab)")
             return False
         if not loras:
@@ -198,26 +242,24 @@ def patch_for_sampling(p, ctl, patcher, park: Callable) -> bool:
         def resolve():
             found, why = ctl.lora_engines(ckpt, loras, torch_unet, forge_merge(patcher), component=COMPONENT)
             if found is None and why:
-                ctl.note(f"no FLUX.1 engine for this checkpoint with {describe(loras)}: {why}; the transformer "
+                ctl.note(f"no {name} engine for this checkpoint with {describe(loras)}: {why}; the transformer "
                          "runs in PyTorch")
             return found, why
 
     unet = patcher.clone()
-    unet.add_object_patch(OBJECT_PATCH, EngineFluxModel(torch_unet, engines, resolve, base))
+    unet.add_object_patch(OBJECT_PATCH, EngineTransformerModel(torch_unet, engines, resolve, base))
     p.sd_model.forge_objects.unet = unet
     ctl.job.used.add(wid)
     park(ctl, torch_unet)
     return True
 
 
-class FluxRefit(Refit):
-    """One LoRA set's refitted FLUX.1 transformer engines (Forge): each refitted at its first call
-    from Forge's module bound last, its LoRA-merged weights converted as the engine was built
-    (:func:`sd_accel.components.flux.bfl_module.to_diffusers`)."""
+class TransformerRefit(Refit):
+    """One LoRA set's refitted transformer engines (Forge): each refitted at its first call from
+    Forge's module bound last, its LoRA-merged weights converted as the engine was built
+    (:func:`sd_accel.components.flux.bfl_module.to_diffusers`, :func:`sd_accel.components.sd3.sai_module.to_diffusers`)."""
 
     def make(self, handle):
-        from sd_accel.components.flux import FluxTransformerSpec
-        from sd_accel.components.flux.bfl_module import to_diffusers
         from sd_accel.core import EngineError
         from sd_accel.onnx.weights import effective_weights
         from sd_accel.refit import refit_engine
@@ -229,12 +271,13 @@ class FluxRefit(Refit):
             if why:
                 raise EngineError(why)
             _copy_fits(module, handle)
-            transformer = to_diffusers(module, copy=False)  # Forge's merged weights as they are
-            spec = FluxTransformerSpec(FluxFromForge(transformer))
+            fam = family_of(module)
+            transformer = _module(fam).to_diffusers(module, copy=False)  # Forge's merged weights as they are
+            spec = spec_for(fam, transformer)
             return refit_engine(handle, effective_weights(transformer), spec, lambda f, m: report(handle.name, f, m))
 
     def line(self, made_now: bool) -> str:
-        return super().line(made_now).replace("UNet", "FLUX.1 transformer", 1)
+        return super().line(made_now).replace("UNet", f"{title(self.source[0])} transformer", 1)
 
 
 def _copy_fits(module: torch.nn.Module, handle) -> None:
@@ -257,19 +300,19 @@ def _copy_fits(module: torch.nn.Module, handle) -> None:
                           "build an engine with these LoRAs applied")
 
 
-def flux_refit_for(base, loras, ckpt: str, module: torch.nn.Module, spec=None, merge=None,
-                   context=None) -> FluxRefit:
-    """The FLUX.1 transformer engines ``base`` (the runtime's ``ComponentEngines``; INT8 ones left
+def transformer_refit_for(base, loras, ckpt: str, module: torch.nn.Module, spec=None, merge=None,
+                          context=None) -> TransformerRefit:
+    """The transformer engines ``base`` (the runtime's ``ComponentEngines``; INT8 ones left
     out) to be refitted to ``module``'s weights (Forge's, carrying ``loras`` once ``merge()``
     returns None), each at its first call. Same signature as :func:`.lora.refit_for`."""
     from sd_accel.refit import needs_rebuild, pending_component
 
     refittable = base.subset(lambda h: h.broken is None and needs_rebuild(h) is None)
-    refit = FluxRefit(None, loras, tuple(h.name for h in refittable.handles))
+    refit = TransformerRefit(None, loras, tuple(h.name for h in refittable.handles))
     refit.bind(module, spec, merge, context)
     refit.engines = pending_component(refittable, refit.make)
     return refit
 
 
-__all__ = ["COMPONENT", "EngineFluxModel", "FluxFromForge", "FluxRefit", "flux_refit_for", "build_profile", "call_reason", "family",
-           "is_forge_flux", "patch_for_sampling", "spec_and_module"]
+__all__ = ["CLASSES", "COMPONENT", "EngineTransformerModel", "TransformerRefit", "build_profile", "call_reason", "family",
+           "family_of", "is_forge_transformer", "patch_for_sampling", "spec_and_module", "spec_for", "transformer_refit_for"]
