@@ -18,7 +18,9 @@ distilled guidance 3.5, a LoRA run, port 7862, ``/work/forge/{models,out,engines
 (SD3.5 Medium layout: ``sd35-medium-random.safetensors`` with CLIP-L, CLIP-G, T5-XXL and the 16-channel
 VAE as modules, cfg 4.5 so the unconditional pass runs, no distilled guidance (``--guidance none``:
 the key is left out of the payload), T5 on (``sd3_enable_t5: true`` in ``override_settings``: Forge's
-default, off, gives the transformer zeros in T5's place), no LoRA run (``--strengths ''``), port 7863,
+default, off, gives the transformer zeros in T5's place), and ``--pythonpath /work/forge/pyshim-sd35``
+(sentencepiece 0.2.0 before Forge's venv: SD3's T5 tokenizer is converted from the slow one, and the
+venv's sentencepiece 0.2.3 needs a newer protobuf than Forge's pinned 3.20.0), no LoRA run (``--strengths ''``), port 7863,
 ``/work/forge/{models,out,engines}-sd35``). Files are named after the family (``<family>_<mode>_<run>.png``,
 ``forge_<family>-<mode>.json``, ``forge-<family>-<mode>.log``).
 
@@ -67,13 +69,14 @@ FAMILIES = {
              "checkpoint": "flux1-dev-random.safetensors",
              "modules": "clip_l-random.safetensors,t5xxl-random-fp8_e4m3fn.safetensors,ae-random.safetensors",
              "lora": "flux-lora-random", "strengths": "1.0", "cfg": 1.0, "guidance": "3.5",
-             "engine_dir": "/work/forge/engines-flux", "settings": {}},
+             "engine_dir": "/work/forge/engines-flux", "pythonpath": "", "settings": {}},
     "sd35": {"models": "/work/forge/models-sd35", "out": "/work/forge/out-sd35", "port": 7863,
              "checkpoint": "sd35-medium-random.safetensors",
              "modules": "clip_l-random.safetensors,clip_g-random.safetensors,t5xxl-random-fp8_e4m3fn.safetensors,"
                         "ae-random.safetensors",
              "lora": "sd35-lora-random", "strengths": "", "cfg": 4.5, "guidance": "none",
-             "engine_dir": "/work/forge/engines-sd35", "settings": {"sd3_enable_t5": True}},
+             "engine_dir": "/work/forge/engines-sd35", "pythonpath": "/work/forge/pyshim-sd35",
+             "settings": {"sd3_enable_t5": True}},
 }
 
 
@@ -116,12 +119,14 @@ def main() -> None:
     ap.add_argument("--nowebui", action="store_true", help="start Forge without its web UI (API only)")
     ap.add_argument("--mode", choices=("torch", "engines"), default="torch")
     ap.add_argument("--engine-dir")
+    ap.add_argument("--pythonpath", help="prepended to Forge's PYTHONPATH (sd35: a folder with sentencepiece "
+                                         "0.2.0, see docs/dev/forge-real.md; '' for none)")
     ap.add_argument("--strengths", help="LoRA strengths, comma-separated ('' for no LoRA run)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--precision", default="auto")
     args = ap.parse_args()
     for key, value in FAMILIES[args.family].items():
-        if getattr(args, key) is None:
+        if key != "settings" and getattr(args, key) is None:
             setattr(args, key, value)
     fam = args.family
     out = Path(args.out)
@@ -132,6 +137,8 @@ def main() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SD_ACCEL_ENGINE_DIR": engine_dir, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "INSIGHTFACE_WHEEL": "joblib", "HANDREFINER_WHEEL": "joblib", "DEPTH_ANYTHING_WHEEL": "joblib",
            "DEPTH_ANYTHING_V2_WHEEL": "joblib"}
+    if args.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.pythonpath, env.get("PYTHONPATH", "")) if p)
     cmd = [args.python, "launch.py", *FLAGS, "--server-name", "127.0.0.1", "--port", str(args.port),
            "--ckpt-dir", str(models / "Stable-diffusion"), "--vae-dir", str(models / "VAE"),
            "--text-encoder-dir", str(models / "text_encoder"), "--lora-dir", str(models / "Lora"),
