@@ -20,7 +20,9 @@ VAE as modules, cfg 4.5 so the unconditional pass runs, no distilled guidance (`
 the key is left out of the payload), T5 on (``sd3_enable_t5: true`` in ``override_settings``: Forge's
 default, off, gives the transformer zeros in T5's place), and ``--pythonpath /work/forge/pyshim-sd35``
 (sentencepiece 0.2.0 before Forge's venv: SD3's T5 tokenizer is converted from the slow one, and the
-venv's sentencepiece 0.2.3 needs a newer protobuf than Forge's pinned 3.20.0), no LoRA run (``--strengths ''``), port 7863,
+venv's sentencepiece 0.2.3 needs a newer protobuf than Forge's pinned 3.20.0), live previews off
+(``live_previews_enable: false``: Forge's default "Approx NN" preview downloads ``vaeapprox-sd3.pt``
+for SD3, a "legacy" model, where FLUX gets none), no LoRA run (``--strengths ''``), port 7863,
 ``/work/forge/{models,out,engines}-sd35``). Files are named after the family (``<family>_<mode>_<run>.png``,
 ``forge_<family>-<mode>.json``, ``forge-<family>-<mode>.log``).
 
@@ -76,7 +78,7 @@ FAMILIES = {
                         "ae-random.safetensors",
              "lora": "sd35-lora-random", "strengths": "", "cfg": 4.5, "guidance": "none",
              "engine_dir": "/work/forge/engines-sd35", "pythonpath": "/work/forge/pyshim-sd35",
-             "settings": {"sd3_enable_t5": True}},
+             "settings": {"sd3_enable_t5": True, "live_previews_enable": False}},
 }
 
 
