@@ -38,6 +38,9 @@ def _flux(seed: int = 0) -> torch.nn.Module:
     with torch.no_grad():
         for p in module.parameters():  # (std 0.1: the outputs stay finite and LoRA-sensitive)
             p.copy_(torch.randn_like(p) * 0.1)
+    from backend.operations import forge_linears
+
+    forge_linears(module)  # Forge's own Linear class, inference-tensor weights, as its loader leaves them
     return module.requires_grad_(False)
 
 

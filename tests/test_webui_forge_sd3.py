@@ -40,6 +40,9 @@ def _mmditx(seed: int = 0) -> torch.nn.Module:
         for p in module.parameters():
             p.copy_(torch.randn_like(p) * 0.1)
         module.pos_embed.copy_(torch.randn_like(module.pos_embed))
+    from backend.operations import forge_linears
+
+    forge_linears(module)  # Forge's own Linear class, inference-tensor weights, as its loader leaves them
     return module.requires_grad_(False)
 
 

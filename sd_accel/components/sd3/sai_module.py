@@ -29,7 +29,8 @@ def unsupported(module: torch.nn.Module) -> str | None:
         ("a context processor", getattr(module, "context_processor", None) is not None),
         ("no position table", getattr(module, "pos_embed", None) is None or module.pos_embed_max_size is None),
         ("no pooled-text input", getattr(module, "y_embedder", None) is None),
-        ("no text input", not isinstance(getattr(module, "context_embedder", None), torch.nn.Linear)),
+        # (a linear layer of any class: Forge's are its own ``ForgeOperations.Linear``, not nn.Linear)
+        ("no text input", getattr(getattr(getattr(module, "context_embedder", None), "weight", None), "ndim", 0) != 2),
     ) if bad]
     return f"an MMDiT variant diffusers' SD3Transformer2DModel lacks ({', '.join(odd)})" if odd else None
 
