@@ -132,6 +132,22 @@ def preflight(handle, weights: dict[str, torch.Tensor]) -> None:
                           "LoRAs applied; this call runs on the engines or PyTorch as before")
 
 
+def conversion_preflight(handle, copied, what: str) -> None:
+    """Raise :class:`~sd_accel.core.EngineError` before a host's refit whose conversion of its weights
+    to the engine's layout makes float32 copies of the tensors ``copied`` and, with the refitted
+    engine, would not fit in the memory available now. The copy comes before :func:`preflight`, and at
+    FLUX.1's real size a full one is 48 GB; the host's call then goes on in PyTorch, the host
+    untouched. ``what``: the weights in the message (``patched transformer``)."""
+    free = available_memory()
+    if free is None:
+        return
+    need = 4 * sum(t.numel() for t in copied) + int(getattr(handle.record, "size_bytes", 0) or 0)
+    if need > free:
+        raise EngineError(f"not enough memory to refit {handle.name}: a float32 copy of the {what} "
+                          f"and the engine need ~{_gib(need)}, {_gib(free)} available; close other applications "
+                          "or models, or build an engine with the LoRA merged")
+
+
 class RefittedRunner:
     """A runner built from changed weights; its scratch folder goes when it is closed or dropped."""
 

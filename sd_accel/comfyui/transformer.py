@@ -368,7 +368,7 @@ class TransformerRefit(Refit):
     def make(self, handle):
         from sd_accel.core import EngineError
         from sd_accel.onnx.weights import effective_weights
-        from sd_accel.refit import refit_engine
+        from sd_accel.refit import conversion_preflight, refit_engine
         from sd_accel.webui.lora import lora_text
 
         dm, _, check, context = self.source
@@ -376,29 +376,11 @@ class TransformerRefit(Refit):
             why = check() if check is not None else None
             if why:
                 raise EngineError(why)
-            _copy_fits(dm, handle)
+            conversion_preflight(handle, dm.state_dict().values(), "patched transformer")  # (all copied)
             transformer = family_module(dm).to_diffusers(dm)
             log.info("sd-accel: refitting %s for %s", handle.name, lora_text(self.loras))
             spec = spec_for(transformer, control=handle.record.key.component == CONTROL)
             return refit_engine(handle, effective_weights(transformer), spec, lambda f, m: None)
-
-
-def _copy_fits(dm: torch.nn.Module, handle) -> None:
-    """Raise EngineError before a refit whose float32 copy of ComfyUI's (patched) transformer
-    weights, with the refitted engine, would not fit in the memory available now: the copy is
-    made before the refit's own pre-flight (:func:`sd_accel.refit.preflight`), and at FLUX.1's
-    real size it is 48 GB. The run then goes on in PyTorch, ComfyUI untouched."""
-    from sd_accel.core import EngineError
-    from sd_accel.refit import _gib, available_memory
-
-    free = available_memory()
-    if free is None:
-        return
-    need = 4 * sum(t.numel() for t in dm.state_dict().values()) + int(getattr(handle.record, "size_bytes", 0) or 0)
-    if need > free:
-        raise EngineError(f"not enough memory to refit {handle.name}: a float32 copy of the patched transformer "
-                          f"and the engine need ~{_gib(need)}, {_gib(free)} available; close other applications "
-                          "or models, or build an engine with the LoRA merged")
 
 
 def refit_for(base, loras, dm: torch.nn.Module, patcher) -> TransformerRefit:

@@ -41,7 +41,6 @@ from sd_accel.webui.runner import LdmEngines
 log = logging.getLogger("sd_accel")
 
 OBJECT_PATCH = "diffusion_model"
-FORGE_INFORMATIONAL = ("control_model",)  # keyword arguments Forge passes that the UNet does not compute with
 
 
 class EngineDiffusionModel(ProxyModule):
@@ -116,7 +115,7 @@ class EngineDiffusionModel(ProxyModule):
 
     def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options=None, **kwargs):
         options = transformer_options if transformer_options is not None else {}
-        reason = _torch_reason(options, kwargs)
+        reason = host.forge_call_reason(options, kwargs, "UNet")
         feed = None
         if reason is None and control is not None:
             # the residual-taking engines first: the plain UNet's (a LoRA refit of them) serve no
@@ -156,19 +155,6 @@ def _control_inputs(unet: torch.nn.Module) -> list[str]:
     """The residual-taking engine's ``control_*`` input names for this UNet's block layout (it
     was built from the same module, so the layout is there)."""
     return control_names(ldm_layout(unet))
-
-
-def _torch_reason(options: dict, kwargs: dict) -> str | None:
-    patches = [k for k in ("patches", "patches_replace") if options.get(k)]
-    if patches:
-        names = sorted({n for k in patches for n in options[k]})
-        return f"UNet patches from other extensions ({', '.join(names)}) are not in the engine"
-    # ``control_model``: the ControlNet object Forge's sampling function passes beside ``control``
-    # (its UNet's **kwargs swallow it); the residuals are in ``control``
-    extra = sorted(k for k, v in kwargs.items() if v is not None and k not in FORGE_INFORMATIONAL)
-    if extra:
-        return f"arguments the engine was not built for: {', '.join(extra)}"
-    return None
 
 
 def _refit_refused(ctl: Controller, ckpt: str, loras, patcher) -> str | None:

@@ -40,7 +40,6 @@ COMPONENT = "transformer"
 # SD3's context puts CLIP's 77 columns first); longer prompts grow it, which a text range covers.
 TEXT = 256
 OBJECT_PATCH = "diffusion_model"
-INFORMATIONAL = ("control_model",)  # keyword arguments Forge passes that the model does not compute with
 CLASSES = {"IntegratedFluxTransformer2DModel": "flux", "MMDiTX": "sd3"}  # Forge's classes, by family
 TITLES = {"flux": "FLUX.1", "sd3": "SD3.5"}
 
@@ -123,13 +122,9 @@ def call_reason(module: torch.nn.Module, y, guidance, control, options: dict, kw
     fam = family_of(module)
     if control is not None:
         return f"ControlNet residuals are not in the {TITLES[fam]} engine inside Forge"
-    patches = [k for k in ("patches", "patches_replace") if options.get(k)]
-    if patches:
-        names = sorted({n for k in patches for n in options[k]})
-        return f"transformer patches from other extensions ({', '.join(names)}) are not in the engine"
-    extra = sorted(k for k, v in kwargs.items() if v is not None and k not in INFORMATIONAL)
-    if extra:
-        return f"arguments the engine was not built for: {', '.join(extra)}"
+    why = host.forge_call_reason(options, kwargs, "transformer")
+    if why is not None:
+        return why
     if fam == "flux" and params_of(module).guidance_embed and guidance is None:
         return "no guidance for a guidance-distilled FLUX.1"
     if fam == "sd3" and (y is None or guidance is not None):
@@ -262,7 +257,7 @@ class TransformerRefit(Refit):
     def make(self, handle):
         from sd_accel.core import EngineError
         from sd_accel.onnx.weights import effective_weights
-        from sd_accel.refit import refit_engine
+        from sd_accel.refit import conversion_preflight, refit_engine
 
         module, _, merge, _ = self.source
         report = console_progress(self.loras)
@@ -270,7 +265,9 @@ class TransformerRefit(Refit):
             why = merge() if merge is not None else None
             if why:
                 raise EngineError(why)
-            _copy_fits(module, handle)
+            # (Forge keeps float32 on the CPU, taken as it is: only other dtypes are copied)
+            conversion_preflight(handle, [t for t in module.state_dict().values() if t.dtype != torch.float32],
+                                 "LoRA-merged transformer")
             fam = family_of(module)
             transformer = _module(fam).to_diffusers(module, copy=False)  # Forge's merged weights as they are
             spec = spec_for(fam, transformer)
@@ -278,26 +275,6 @@ class TransformerRefit(Refit):
 
     def line(self, made_now: bool) -> str:
         return super().line(made_now).replace("UNet", f"{title(self.source[0])} transformer", 1)
-
-
-def _copy_fits(module: torch.nn.Module, handle) -> None:
-    """Raise EngineError before a refit whose float32 copies of the (LoRA-merged) transformer's
-    weights that are not float32 already (Forge keeps float32 on the CPU: none; fp8 / bf16 storage
-    on a GPU: all, 48 GB at FLUX.1's real size) and the refitted engine would not fit in the memory
-    available now: the job then goes on in Forge's PyTorch, Forge untouched."""
-    from sd_accel.core import EngineError
-    from sd_accel.refit import _gib as gib
-    from sd_accel.refit import available_memory
-
-    free = available_memory()
-    if free is None:
-        return
-    need = 4 * sum(t.numel() for t in module.state_dict().values() if t.dtype != torch.float32)
-    need += int(getattr(handle.record, "size_bytes", 0) or 0)
-    if need > free:
-        raise EngineError(f"not enough memory to refit {handle.name}: a float32 copy of the LoRA-merged transformer "
-                          f"and the engine need ~{gib(need)}, {gib(free)} available; close other applications, or "
-                          "build an engine with these LoRAs applied")
 
 
 def transformer_refit_for(base, loras, ckpt: str, module: torch.nn.Module, spec=None, merge=None,

@@ -121,6 +121,25 @@ def not_on_engines(unet: torch.nn.Module) -> str | None:
             "pack, `sd-accel generate` (or load_pipeline + accelerate) or `sd-accel serve`")
 
 
+# keyword arguments Forge's sampling passes its diffusion model that the model does not compute with:
+# ``control_model``, the ControlNet object beside ``control`` (the model's **kwargs swallow it)
+FORGE_INFORMATIONAL = ("control_model",)
+
+
+def forge_call_reason(options: dict, kwargs: dict, model: str) -> str | None:
+    """Why a Forge diffusion-model call (its ``transformer_options`` and extra keyword arguments)
+    is not one an engine computes: other extensions' patches, arguments the engine lacks; or None.
+    ``model``: how the message names the model (``UNet``, ``transformer``)."""
+    patches = [k for k in ("patches", "patches_replace") if options.get(k)]
+    if patches:
+        names = sorted({n for k in patches for n in options[k]})
+        return f"{model} patches from other extensions ({', '.join(names)}) are not in the engine"
+    extra = sorted(k for k, v in kwargs.items() if v is not None and k not in FORGE_INFORMATIONAL)
+    if extra:
+        return f"arguments the engine was not built for: {', '.join(extra)}"
+    return None
+
+
 def checkpoint_info(model=None):
     """``sd_model.sd_checkpoint_info`` (``modules.sd_models.CheckpointInfo``)."""
     return (model if model is not None else sd_model()).sd_checkpoint_info
