@@ -130,6 +130,21 @@ def fill(model: torch.nn.Module, path: Path, prefix: str = "", rename=None) -> t
     return model.eval()
 
 
+def empty_model(cls, config, dtype: torch.dtype) -> torch.nn.Module:
+    """``cls(config)`` in ``dtype`` with its weights left for :func:`fill`: built on the meta device,
+    so neither a float32 model first (T5-XXL: 19 GB, which peaked a SD3.5 load at 21.7 GB) nor a
+    random initialisation the file overwrites. Buffers the files leave out (CLIP's
+    ``position_ids``) are made here; :func:`fill` checks that every parameter came from the file."""
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype).to_empty(device="cpu")
+    for name, buf in model.named_buffers():
+        if not name.endswith("position_ids"):
+            raise CheckpointError(f"{cls.__name__} has a buffer {name} that sd-accel does not know how to make")
+        buf.copy_(torch.arange(buf.shape[-1]).expand_as(buf))
+    return model
+
+
 def load_clip(path: Path, base: dict[str, Any], projected: bool, dtype: torch.dtype, prefix: str = ""):
     """A CLIP text encoder (with the projection head for SD3's, without for FLUX.1's) from a file."""
     import transformers
@@ -140,8 +155,8 @@ def load_clip(path: Path, base: dict[str, Any], projected: bool, dtype: torch.dt
     if projected and f"{prefix}text_projection.weight" not in shapes:
         raise CheckpointError(f"{path.name} has no text_projection: SD3 needs its CLIPs with projection "
                               "(clip_l.safetensors / clip_g.safetensors as SD3 ships them)")
-    model = cls(transformers.CLIPTextConfig(**{k: v for k, v in config.items() if not k.startswith("_")}))
-    return fill(model.to(dtype), path, prefix)
+    return fill(empty_model(cls, transformers.CLIPTextConfig(**{k: v for k, v in config.items()
+                                                               if not k.startswith("_")}), dtype), path, prefix)
 
 
 def load_t5(path: Path, base: dict[str, Any], dtype: torch.dtype, prefix: str = ""):
@@ -149,9 +164,9 @@ def load_t5(path: Path, base: dict[str, Any], dtype: torch.dtype, prefix: str = 
     import transformers
 
     config = t5_config(base, read_shapes(path), prefix)
-    model = transformers.T5EncoderModel(transformers.T5Config(**{k: v for k, v in config.items()
-                                                                 if not k.startswith("_")}))
-    return fill(model.to(dtype), path, prefix)
+    model = empty_model(transformers.T5EncoderModel,
+                        transformers.T5Config(**{k: v for k, v in config.items() if not k.startswith("_")}), dtype)
+    return fill(model, path, prefix)
 
 
 def vae_config(base: dict[str, Any], shapes: Shapes, prefix: str = "") -> dict[str, Any]:
@@ -168,4 +183,4 @@ def vae_config(base: dict[str, Any], shapes: Shapes, prefix: str = "") -> dict[s
                 use_post_quant_conv=f"{prefix}post_quant_conv.weight" in shapes)
 
 
-__all__ = ["PLACES", "clip_config", "fill", "find_files", "load_clip", "load_t5", "t5_config", "vae_config"]
+__all__ = ["PLACES", "clip_config", "empty_model", "fill", "find_files", "load_clip", "load_t5", "t5_config", "vae_config"]
