@@ -65,7 +65,7 @@ from sd_accel.runtime.selection import REFIT_CLOSED
 
 log = logging.getLogger("sd_accel")
 
-NEEDS_REBUILD = ("int8", "int8-dynamic")  # weights quantized with calibrated scales
+NEEDS_REBUILD = ("int8", "int8-dynamic", "int4")  # weights stored quantized, with their scales
 
 
 # --------------------------------------------------------------------------- engines

@@ -48,7 +48,7 @@ from sd_accel.profiles import Profile
 
 log = logging.getLogger("sd_accel")
 
-TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 5e-2, "int8": 0.1, "int8-dynamic": 0.1}
+TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 5e-2, "int8": 0.1, "int8-dynamic": 0.1, "int4": 0.1}
 # A decoder's check is also judged by the image the user sees (its ``images`` output mapped to
 # 0..1 as diffusers' postprocess does), in PSNR against torch fp32 on the same latents. Relative
 # error alone let through an int8 VAE decoder (3.7%, 42.6 dB on the captured final latents) that
@@ -76,8 +76,12 @@ STEP_CACHE_PSNR = UNET_IMAGE_PSNR["int8"]
 # torch), while the picture of bf16's rounding is 47-55 dB from fp32's. 40 dB keeps a margin
 # below that and above what a wrong engine makes (the tiny LCM UNet with its sign flipped at the
 # last steps' noise levels: 34.5 dB). Past the ceiling no picture is tried: that is not rounding.
-FLOAT_IMAGE_PSNR = {"bf16": 40.0, "fp16": 40.0}
-FLOAT_PICTURE_CEILING = {"bf16": 0.1, "fp16": 0.06}
+# int4 weights (groups of 64, weights only: ``sd_accel.backends.openvino.quantize``) are judged the
+# same way, at int8's picture gate: per call they are further off than int8 (their rounding is 16
+# times coarser), which says little about a picture made over many steps; past 0.35 per call no
+# picture is tried.
+FLOAT_IMAGE_PSNR = {"bf16": 40.0, "fp16": 40.0, "int4": UNET_IMAGE_PSNR["int8"]}
+FLOAT_PICTURE_CEILING = {"bf16": 0.1, "fp16": 0.06, "int4": 0.35}
 # A component whose outputs only feed another one (a ControlNet's residuals feed the UNet) and
 # misses the tolerance on those outputs is judged again by what it does to its consumer's output:
 # the consumer in torch fp32 fed the engine's outputs vs fed torch's, against the same tolerance.

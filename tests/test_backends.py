@@ -40,7 +40,7 @@ def test_the_contract_is_declared_and_the_precisions_come_from_the_table(entry):
     for precision in entry.builds:
         assert (precision in backend.precisions()) == (backend.missing(precision) is None)
     assert set(ENGINE_PRECISIONS) == {p for e in registry.TABLE for p in e.builds}
-    assert ENGINE_PRECISIONS == ("fp32", "fp16", "bf16", "int8", "int8-dynamic")
+    assert ENGINE_PRECISIONS == ("fp32", "fp16", "bf16", "int8", "int8-dynamic", "int4")
 
 
 def test_names_and_errors():

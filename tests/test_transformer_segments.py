@@ -194,3 +194,34 @@ def test_int8_in_segments_is_weights_only_on_openvino(tmp_path, monkeypatch, nam
         sizes[precision] = record.size_bytes
     assert record.validation["rel_l2"] < 0.1 and "int8_scope" not in record.extra
     assert sizes["int8"] < 0.6 * sizes["fp32"], sizes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("segments", [True, False], ids=["segments", "whole"])
+def test_int4_weights_on_openvino_judged_by_the_picture(tmp_path, monkeypatch, segments):
+    """int4 (weights only, groups of 64, no calibration) builds whole or in segments, stores fewer
+    bytes than int8's weights-only engine, and a per-call miss (forced here: tolerance 1e-4) within
+    the ceiling is judged by the picture the pipeline makes on the engine at int8's picture gate."""
+    pytest.importorskip("nncf")
+    from sd_accel import validate
+
+    monkeypatch.setenv(SEGMENTS_ENV, "0.01" if segments else "off")
+    pipe = load_pipeline("builtin:tiny-flux")
+    profile = Profile(batch=1, height=64, width=64, text=64)
+    (int4,) = build_engines(pipe, profiles=[profile], backend="openvino", precision="int4",
+                            components=["transformer"], engine_dir=tmp_path / "a", progress=False)
+    assert int4.key.precision == "int4" and int4.key.layout.startswith("seg") == segments
+    assert int4.validation["ok"] and int4.validation["rel_l2"] < validate.TOLERANCE["int4"], int4.validation
+    if segments:
+        (int8,) = build_engines(pipe, profiles=[profile], backend="openvino", precision="int8",
+                                components=["transformer"], engine_dir=tmp_path / "b", progress=False)
+        assert int4.size_bytes < int8.size_bytes, (int4.size_bytes, int8.size_bytes)
+    monkeypatch.setitem(validate.TOLERANCE, "int4", 1e-4)
+    (judged,) = build_engines(pipe, profiles=[profile], backend="openvino", precision="int4",
+                              components=["transformer"], engine_dir=tmp_path / "c", progress=False)
+    assert judged.validation["ok"] and judged.validation["image_psnr"] >= validate.FLOAT_IMAGE_PSNR["int4"]
+    monkeypatch.setitem(validate.FLOAT_PICTURE_CEILING, "int4", 1e-3)  # past the ceiling: refused outright
+    with pytest.raises(Exception, match="int4"):
+        build_engines(pipe, profiles=[profile], backend="openvino", precision="int4", components=["transformer"],
+                      engine_dir=tmp_path / "d", progress=False)
+    assert not list((tmp_path / "d").rglob("engine.bin"))  # nothing kept

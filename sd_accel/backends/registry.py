@@ -64,7 +64,7 @@ TABLE: tuple[BackendEntry, ...] = (
     BackendEntry("openvino", "sd_accel.backends.openvino", "cpu", "CPUs (bf16 with AVX512-BF16 or AMX, int8 with NNCF)",
                  "pip install openvino (installed with sd-accel where OpenVINO has wheels: Linux x86_64 "
                  "and aarch64, Windows x86_64, macOS arm64)",
-                 builds=("fp32", "bf16", "int8"), title="OpenVINO",
+                 builds=("fp32", "bf16", "int8", "int4"), title="OpenVINO",
                  pitch="the fastest CPU backend (bf16 on CPUs with AMX / AVX512-BF16)"),
     BackendEntry("onnxruntime", "sd_accel.backends.onnxruntime", "cpu", "CPUs, and NVIDIA GPUs with onnxruntime-gpu",
                  "pip install onnxruntime", builds=("fp32", "int8", "int8-dynamic"), title="ONNX Runtime"),
@@ -92,7 +92,7 @@ def engine_precisions() -> tuple[str, ...]:
     """Every precision some backend builds (the table's ``builds``), widest first.
 
     >>> engine_precisions()
-    ('fp32', 'fp16', 'bf16', 'int8', 'int8-dynamic')
+    ('fp32', 'fp16', 'bf16', 'int8', 'int8-dynamic', 'int4')
     """
     union = dict.fromkeys(p for e in TABLE for p in e.builds)
     return tuple(sorted(union, key=_bits, reverse=True))  # stable: the table's order within a width

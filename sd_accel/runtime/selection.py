@@ -118,7 +118,7 @@ class EngineHandle:
 
 
 # Among engines that cover a call equally well, the faster precision goes first.
-_PRECISION_RANK = {"int8": 0, "int8-dynamic": 1, "fp16": 2, "bf16": 3, "fp32": 4}
+_PRECISION_RANK = {"int4": 0, "int8": 1, "int8-dynamic": 2, "fp16": 3, "bf16": 4, "fp32": 5}
 
 
 class ComponentEngines:

@@ -64,7 +64,9 @@ BF16_NEEDS = "bf16 needs a CPU with AVX512-BF16 or AMX"
 NEEDS = {
     "bf16": f"{BF16_NEEDS} (`sd-accel doctor` shows the CPU class); build fp32, or int8 with NNCF",
     "int8": "OpenVINO int8 needs NNCF, which is not installed: `pip install nncf` (or `pip install 'sd-accel[openvino]'`)",
+    "int4": "OpenVINO int4 needs NNCF, which is not installed: `pip install nncf` (or `pip install 'sd-accel[openvino]'`)",
 }
+QUANTIZED = ("int8", "int4")  # weights stored quantized: no weight map, a refit rebuilds
 
 
 def has_bf16() -> bool:
@@ -165,8 +167,8 @@ class OpenVinoBackend(Backend):
     def missing(self, precision: str) -> str | None:
         if precision == "bf16" and not has_bf16():
             return NEEDS["bf16"]
-        if precision == "int8" and not _has_nncf():
-            return NEEDS["int8"]
+        if precision in QUANTIZED and not _has_nncf():
+            return NEEDS[precision]
         return None
 
     def summary(self) -> str:
@@ -230,10 +232,10 @@ class OpenVinoBackend(Backend):
                 form = "ir"
             files = [ENGINE_FILE if form == "blob" else _GRAPH_FILE, WEIGHTS_FILE, META_FILE]
             # for fixed-shape compiles (runner.py) and refits compiled in memory (refit_runner)
-            keep_graph = form == "blob" and (_dynamic(shapes) or precision != "int8")
+            keep_graph = form == "blob" and (_dynamic(shapes) or precision not in QUANTIZED)
             if keep_graph:
                 files.append(_GRAPH_FILE)
-            if precision != "int8":  # int8 weights carry calibrated scales: a refit rebuilds
+            if precision not in QUANTIZED:  # quantized weights carry their scales: a refit rebuilds
                 progress(0.9, "mapping the weights in engine.bin (for refits)")
                 write_map(Path(onnx_path), out_dir / _GRAPH_FILE, out_dir / WEIGHTS_FILE, out_dir / MAP_FILE)
                 files.append(MAP_FILE)
@@ -260,7 +262,9 @@ class OpenVinoBackend(Backend):
             have = [sorted(p.get_names()) for p in model.inputs]
             raise EngineError(f"{onnx_path.name} has no inputs {sorted(missing)}; its inputs are named {have}")
         model.reshape(_partial_shapes(shapes))
-        if precision == "int8" and int8_scope == WEIGHTS_ONLY:
+        if precision == "int4":
+            model = compress_weights_openvino(model, lambda f, m: progress(0.1 + 0.4 * f, m), bits=4)
+        elif precision == "int8" and int8_scope == WEIGHTS_ONLY:
             model = compress_weights_openvino(model, lambda f, m: progress(0.1 + 0.4 * f, m))
         elif precision == "int8":
             from sd_accel.backends.openvino.quantize import quantize_openvino
