@@ -7,7 +7,8 @@ peak RSS (VmHWM) is the figure. **Random weights**: the files come from
     python scripts/bench_full_size.py build FILE ENGINES [--size 1024] [--text 256] [--precision int8]
         [--components transformer]
     python scripts/bench_full_size.py run FILE ENGINES [--size 1024] [--steps 2] [--cfg 4.5]
-        [--t5 torch|drop]
+        [--t5 torch|drop] [--out IMAGE.npy] [--torch]
+    python scripts/bench_full_size.py psnr A.npy B.npy
 
 ``build`` prints ``STAGE`` lines (seconds, RSS now, peak so far, the build's stage) and one ``RESULT
 {json}`` line. ``run`` loads the pipeline, puts the engines in (``accelerate(engines=True)``),
@@ -37,7 +38,7 @@ def _status() -> dict[str, float]:
 
 
 def build(file: Path, engines: Path, size: int, text: int, precision: str, components: list[str],
-          backend: str) -> None:
+          backend: str, validate: bool) -> None:
     import torch
 
     from sd_accel import build_engines, load_pipeline
@@ -55,7 +56,8 @@ def build(file: Path, engines: Path, size: int, text: int, precision: str, compo
               f"{ev.component} {ev.stage}", flush=True)
 
     records = build_engines(pipe, profiles=[Profile(batch=1, height=size, width=size, text=text)], backend=backend,
-                            precision=precision, components=components, engine_dir=str(engines), progress=stage)
+                            precision=precision, components=components, engine_dir=str(engines), progress=stage,
+                            validate=validate)
     seconds = time.perf_counter() - start
     print("RESULT " + json.dumps({
         "peak_gib": round(_status()["VmHWM"], 2), "loaded_rss_gib": round(loaded["VmRSS"], 2),
@@ -66,14 +68,15 @@ def build(file: Path, engines: Path, size: int, text: int, precision: str, compo
 
 
 def run(file: Path, engines: Path, size: int, steps: int, cfg: float, text: int, t5: str, backend: str,
-        out: Path | None) -> None:
+        out: Path | None, torch_only: bool) -> None:
     import torch
 
     from sd_accel import accelerate, load_pipeline, stats
 
     start = time.perf_counter()
     pipe = load_pipeline(str(file), torch_dtype=torch.bfloat16)
-    pipe = accelerate(pipe, engines=True, engine_dir=str(engines), backend=backend, precision="bf16")
+    if not torch_only:
+        pipe = accelerate(pipe, engines=True, engine_dir=str(engines), backend=backend, precision="bf16")
     load_s = time.perf_counter() - start
     flux = "Flux" in type(pipe).__name__
     call = dict(height=size, width=size, num_inference_steps=steps, guidance_scale=cfg,
@@ -99,15 +102,17 @@ def run(file: Path, engines: Path, size: int, steps: int, cfg: float, text: int,
     else:
         call["prompt"] = PROMPT
     encode_s = time.perf_counter() - t0
-    image = pipe(**call).images[0]
+    image = pipe(**call, output_type="np").images[0]
     seconds = time.perf_counter() - t0
-    st = stats(pipe)
-    denoiser = st.get("transformer", {})
+    denoiser = {} if torch_only else stats(pipe).get("transformer", {})
     if out is not None:
-        image.save(out)
+        import numpy as np
+
+        np.save(out, image)
     print("RESULT " + json.dumps({
         "peak_gib": round(_status()["VmHWM"], 2), "load_s": round(load_s, 1), "encode_s": round(encode_s, 1),
-        "seconds": round(seconds, 1), "steps": steps, "size": size, "t5": t5, "transformer": denoiser,
+        "seconds": round(seconds, 1), "steps": steps, "size": size, "t5": t5, "torch_only": torch_only,
+        "transformer": denoiser,
         "threads": os.cpu_count()}), flush=True)
 
 
@@ -124,16 +129,29 @@ def main() -> None:
     b = sub.choices["build"]
     b.add_argument("--precision", default="int8")
     b.add_argument("--components", default="transformer")
+    b.add_argument("--no-validate", action="store_true", help="skip the check against torch")
     r = sub.choices["run"]
     r.add_argument("--steps", type=int, default=2)
     r.add_argument("--cfg", type=float, default=4.5)
     r.add_argument("--t5", choices=("torch", "drop"), default="drop")
-    r.add_argument("--out", type=Path, default=None)
+    r.add_argument("--out", type=Path, default=None, help="save the image (float 0..1, .npy) here")
+    r.add_argument("--torch", action="store_true", help="plain diffusers bf16, no engines: the reference")
+    q = sub.add_parser("psnr")
+    q.add_argument("a", type=Path)
+    q.add_argument("b", type=Path)
     args = ap.parse_args()
     if args.cmd == "build":
-        build(args.file, args.engines, args.size, args.text, args.precision, args.components.split(","), args.backend)
+        build(args.file, args.engines, args.size, args.text, args.precision, args.components.split(","), args.backend,
+              not args.no_validate)
+    elif args.cmd == "run":
+        run(args.file, args.engines, args.size, args.steps, args.cfg, args.text, args.t5, args.backend, args.out,
+            args.torch)
     else:
-        run(args.file, args.engines, args.size, args.steps, args.cfg, args.text, args.t5, args.backend, args.out)
+        import numpy as np
+
+        a, b = np.load(args.a).astype(np.float64), np.load(args.b).astype(np.float64)
+        mse = float(np.mean((a - b) ** 2))
+        print("RESULT " + json.dumps({"psnr_db": round(10 * np.log10(1 / mse), 2) if mse else None}))
 
 
 if __name__ == "__main__":

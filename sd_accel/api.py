@@ -298,6 +298,11 @@ def accelerate(pipe, config: AccelConfig | None = None, **overrides: Any):
     engines_found: dict[str, int] = {}
     if config.engines:  # True or "auto"
         engines_found = _swap_engines(pipe, config)
+    if device.type == "cpu":  # T5-XXL (9.5 GB) runs once per prompt: not resident between prompts
+        from sd_accel.cache.store import EngineCache
+        from sd_accel.runtime.paged_encoders import page_big_encoders
+
+        page_big_encoders(pipe, EngineCache(config.engine_dir).root)
     step_cache = False
     if config.step_cache is not None:
         from sd_accel.runtime.swap import set_step_cache

@@ -179,6 +179,10 @@ def build_engines(
         profs = _profiles(pipe, preset, profiles)
         jobs = [EngineJob(specs[n], p, precision, step_cache=step_cache and n == "transformer")
                 for n in names for p in profs]
+        if be.torch_device == "cpu":  # T5-XXL (9.5 GB) is not held beside a build: read from disk when exported
+            from sd_accel.runtime.paged_encoders import page_big_encoders
+
+            page_big_encoders(pipe, cache.root)
         records = run_jobs(jobs, cache, be, progress=progress, cancel=cancel, validate=validate)
         if keep_onnx is False:
             cache.drop_intermediates_of(records)
