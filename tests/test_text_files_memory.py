@@ -1,6 +1,6 @@
 """A T5 encoder file in fp8 (``t5xxl_fp8_e4m3fn`` as published) read into bf16 costs the bf16
 model, never a float32 one first (issue 44: T5-XXL built in float32 and cast after took 19 GB and
-peaked a SD3.5 load at 21.7 GB). Peak RSS (VmHWM) of a fresh process, a T5 of 235M parameters
+peaked a SD3.5 load at 21.7 GB), nor the file read whole beside it. Peak RSS (VmHWM) of a fresh process, a T5 of 235M parameters
 (float32 0.94 GB, bf16 0.47 GB, fp8 0.24 GB), random weights. Never a timing."""
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ def test_fp8_t5_is_read_without_a_float32_model(t5_fp8_file):
     params = out["params"]
     assert params > 2.3e8 and out["dtype"] == "torch.bfloat16" and out["finite"]
     assert out["q0"] == pytest.approx(q0)  # the file's weights, not an initialisation
-    # less than one float32 copy of the model: the bf16 model and the fp8 file's pages read
-    # meanwhile take 3 bytes a parameter (measured: 0.77 GiB of a 0.87 GiB bound); a float32 model
-    # first took 1.00 GiB
-    bound = params * 4
+    # the bf16 model and 40% more (2.8 bytes a parameter, 0.61 GiB): measured 0.51 GiB; the casts'
+    # freed buffers kept by malloc made it 0.76 GiB (T5-XXL's load: 4.6 GB more), a float32 model
+    # built first 1.00 GiB
+    bound = params * 2 * 1.4
     assert out["grew"] < bound, f"loading grew the process by {out['grew'] / 2**30:.2f} GiB (bound {bound / 2**30:.2f})"
 
 

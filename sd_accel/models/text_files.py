@@ -91,13 +91,21 @@ def t5_config(base: dict[str, Any], shapes: Shapes, prefix: str = "") -> dict[st
                 num_layers=_count(shapes, re.escape(prefix) + r"encoder\.block\.(\d+)\."))
 
 
+# Pages of the file read while filling stay counted in the process's RSS until the file is closed:
+# T5-XXL's fp8 file (4.8 GB) on top of its bf16 model (9.5 GB). Handed back every this many bytes.
+_RELEASE_EVERY = 64 << 20
+
+
 def fill(model: torch.nn.Module, path: Path, prefix: str = "", rename=None) -> torch.nn.Module:
     """Copy the file's tensors into ``model`` one at a time (cast to the model's dtype there: an
     fp8 file never becomes an fp32 copy). Every parameter the model has must be in the file."""
     from safetensors import safe_open
 
+    from sd_accel.pages import release_file, trim_heap
+
     own = model.state_dict()
     missing = set(own)
+    read = 0
     with safe_open(str(path), framework="pt") as f, torch.no_grad():
         if any(k.startswith(prefix) and (k.endswith(".scale_weight") or k == prefix + "scaled_fp8") for k in f.keys()):
             # (each fp8 weight times its scale: read plainly it would give a wrong model, silently)
@@ -120,6 +128,12 @@ def fill(model: torch.nn.Module, path: Path, prefix: str = "", rename=None) -> t
                                       f"{tuple(target.shape)}")
             target.copy_(tensor.to(target.dtype))
             missing.discard(name)
+            read += tensor.numel() * tensor.element_size()
+            del tensor
+            if read >= _RELEASE_EVERY:  # the file's pages read so far, and the casts' freed buffers
+                release_file(path)
+                trim_heap()
+                read = 0
     # tied or derived entries the files leave out
     missing -= {"text_model.embeddings.position_ids", "embeddings.position_ids", "encoder.embed_tokens.weight"}
     if missing:
