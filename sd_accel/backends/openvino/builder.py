@@ -46,6 +46,7 @@ from sd_accel.backends.openvino.weight_map import MAP_FILE, patch, patched_model
 from sd_accel.core import EngineError, Progress, ShapeRanges
 from sd_accel.device import cpu_class, cpu_flags
 from sd_accel.pages import kept_released, release_file
+from sd_accel.units import format_size
 
 if TYPE_CHECKING:
     from sd_accel.core import CalibrationSet
@@ -66,6 +67,7 @@ NEEDS = {
     "int8": "OpenVINO int8 needs NNCF, which is not installed: `pip install nncf` (or `pip install 'sd-accel[openvino]'`)",
     "int4": "OpenVINO int4 needs NNCF, which is not installed: `pip install nncf` (or `pip install 'sd-accel[openvino]'`)",
 }
+BLOB_CARRIES_WEIGHTS = 0.25  # a blob this big beside engine.bin holds weights: keep the IR instead
 QUANTIZED = ("int8", "int4")  # weights stored quantized: no weight map, a refit rebuilds
 
 
@@ -220,7 +222,16 @@ class OpenVinoBackend(Backend):
             expected = _outputs(compiled, _zeros_feed(compiled, shapes))
             del compiled
             form = "blob"
-            if not _blob_runs(ov, out_dir, precision, shapes, expected):
+            blob, weights = (out_dir / ENGINE_FILE).stat().st_size, (out_dir / WEIGHTS_FILE).stat().st_size
+            if blob > max(BLOB_CARRIES_WEIGHTS * weights, 8 << 20):
+                # int4 weights are repacked by the CPU plugin when it compiles, and the "weightless"
+                # blob then carries that copy (SD3.5 Medium's int4 transformer: 1.24 GB of blobs beside
+                # 2.14 GB of engine.bin, more than its int8 engine). Keep the IR instead: compiled on load.
+                log.info("%s: the compiled blob carries the weights again (%s beside %s of engine.bin); "
+                         "the engine keeps its IR", onnx_path.parent.name, format_size(blob), format_size(weights))
+                (out_dir / ENGINE_FILE).unlink()
+                form = "ir"
+            elif not _blob_runs(ov, out_dir, precision, shapes, expected):
                 # OpenVINO 2026.4's weightless blob (CACHE_MODE=OPTIMIZE_SIZE) of SD3's and FLUX.1's
                 # transformers imports, then fails its first call in shape inference (a Multiply of
                 # the AdaLN or rotary branch), or at static shapes gives 15 image tokens for 16; the
