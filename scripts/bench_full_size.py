@@ -68,7 +68,7 @@ def build(file: Path, engines: Path, size: int, text: int, precision: str, compo
 
 
 def run(file: Path, engines: Path, size: int, steps: int, cfg: float, text: int, t5: str, backend: str,
-        out: Path | None, torch_only: bool) -> None:
+        out: Path | None, torch_only: bool, engine_precision: str | None = None) -> None:
     import torch
 
     from sd_accel import accelerate, load_pipeline, stats
@@ -76,7 +76,8 @@ def run(file: Path, engines: Path, size: int, steps: int, cfg: float, text: int,
     start = time.perf_counter()
     pipe = load_pipeline(str(file), torch_dtype=torch.bfloat16)
     if not torch_only:
-        pipe = accelerate(pipe, engines=True, engine_dir=str(engines), backend=backend, precision="bf16")
+        pipe = accelerate(pipe, engines=True, engine_dir=str(engines), backend=backend, precision="bf16",
+                          engine_precision=engine_precision)
     load_s = time.perf_counter() - start
     flux = "Flux" in type(pipe).__name__
     call = dict(height=size, width=size, num_inference_steps=steps, guidance_scale=cfg,
@@ -136,6 +137,7 @@ def main() -> None:
     r.add_argument("--t5", choices=("torch", "drop"), default="drop")
     r.add_argument("--out", type=Path, default=None, help="save the image (float 0..1, .npy) here")
     r.add_argument("--torch", action="store_true", help="plain diffusers bf16, no engines: the reference")
+    r.add_argument("--engine-precision", default=None, help="which engine when several cover the call (int4, int8)")
     q = sub.add_parser("psnr")
     q.add_argument("a", type=Path)
     q.add_argument("b", type=Path)
@@ -145,7 +147,7 @@ def main() -> None:
               not args.no_validate)
     elif args.cmd == "run":
         run(args.file, args.engines, args.size, args.steps, args.cfg, args.text, args.t5, args.backend, args.out,
-            args.torch)
+            args.torch, args.engine_precision)
     else:
         import numpy as np
 
