@@ -14,7 +14,7 @@ peak RSS (VmHWM) is the figure. **Random weights**: the files come from
 {json}`` line. ``run`` loads the pipeline, puts the engines in (``accelerate(engines=True)``),
 generates one image (the prompt's T5 pass included) and prints ``RESULT {json}``: peak RSS, seconds,
 transformer ms per call, the engine's share of the calls. ``--t5 drop`` encodes the prompt first and
-frees T5 before denoising (what keeps the run's peak lowest, at no cost: T5 runs once per prompt).
+frees T5 before denoising; by default (`torch`) accelerate() pages T5 (SD_ACCEL_PAGED_ENCODERS).
 """
 
 from __future__ import annotations
