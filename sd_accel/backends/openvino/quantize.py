@@ -58,7 +58,7 @@ def compress_weights_openvino(model, progress: Progress, bits: int = 8):
     try:
         import nncf
     except ImportError as exc:
-        raise EngineError("OpenVINO int8 needs NNCF: pip install nncf (or `pip install 'sd-accel[openvino]'`)") from exc
+        raise EngineError(f"OpenVINO int{bits} needs NNCF: pip install nncf (or `pip install 'sd-accel[openvino]'`)") from exc
     logging.getLogger("nncf").setLevel(logging.WARNING)
     if bits == 4:
         progress(0.0, f"compressing the weights to int4 (groups of {INT4_GROUP}) with NNCF")
