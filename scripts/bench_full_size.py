@@ -8,6 +8,7 @@ peak RSS (VmHWM) is the figure. **Random weights**: the files come from
         [--components transformer]
     python scripts/bench_full_size.py run FILE ENGINES [--size 1024] [--steps 2] [--cfg 4.5]
         [--t5 torch|drop] [--out IMAGE.npy] [--torch]
+    python scripts/bench_full_size.py encode FILE [--repeats 3]    # SD_ACCEL_PAGED_ENCODERS=off: T5 resident
     python scripts/bench_full_size.py psnr A.npy B.npy
 
 ``build`` prints ``STAGE`` lines (seconds, RSS now, peak so far, the build's stage) and one ``RESULT
@@ -117,6 +118,29 @@ def run(file: Path, engines: Path, size: int, steps: int, cfg: float, text: int,
         "threads": os.cpu_count()}), flush=True)
 
 
+def encode(file: Path, text: int, repeats: int) -> None:
+    """What paging T5 costs a prompt: seconds of ``encode_prompt`` (CLIPs + T5) and RSS after each,
+    paged (``SD_ACCEL_PAGED_ENCODERS`` unset) or resident (``=off``)."""
+    import torch
+
+    from sd_accel import accelerate, load_pipeline
+
+    pipe = accelerate(load_pipeline(str(file), torch_dtype=torch.bfloat16), precision="bf16")
+    flux = "Flux" in type(pipe).__name__
+    rows = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if flux:
+                pipe.encode_prompt(f"{PROMPT} {i}", None, max_sequence_length=text)
+            else:
+                pipe.encode_prompt(f"{PROMPT} {i}", None, None, max_sequence_length=text,
+                                   do_classifier_free_guidance=False)
+        rows.append({"seconds": round(time.perf_counter() - t0, 2), "rss_gib": round(_status()["VmRSS"], 2)})
+    print("RESULT " + json.dumps({"paged": os.environ.get("SD_ACCEL_PAGED_ENCODERS", "auto"), "prompts": rows,
+                                  "peak_gib": round(_status()["VmHWM"], 2)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -138,6 +162,10 @@ def main() -> None:
     r.add_argument("--out", type=Path, default=None, help="save the image (float 0..1, .npy) here")
     r.add_argument("--torch", action="store_true", help="plain diffusers bf16, no engines: the reference")
     r.add_argument("--engine-precision", default=None, help="which engine when several cover the call (int4, int8)")
+    e = sub.add_parser("encode")
+    e.add_argument("file", type=Path)
+    e.add_argument("--text", type=int, default=256)
+    e.add_argument("--repeats", type=int, default=3)
     q = sub.add_parser("psnr")
     q.add_argument("a", type=Path)
     q.add_argument("b", type=Path)
@@ -145,6 +173,8 @@ def main() -> None:
     if args.cmd == "build":
         build(args.file, args.engines, args.size, args.text, args.precision, args.components.split(","), args.backend,
               not args.no_validate)
+    elif args.cmd == "encode":
+        encode(args.file, args.text, args.repeats)
     elif args.cmd == "run":
         run(args.file, args.engines, args.size, args.steps, args.cfg, args.text, args.t5, args.backend, args.out,
             args.torch, args.engine_precision)
