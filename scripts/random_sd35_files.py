@@ -20,8 +20,9 @@ stays near the largest tensor):
   ``CLIPTextModelWithProjection`` keys (``text_model.*`` and ``text_projection.weight``; 32 layers,
   width 1280, 20 heads, MLP 5120), the layout Forge's loader takes for ``clip_g`` from a separate
   file, fp16 (695 M parameters);
-- with ``--all``, also CLIP-L, T5-XXL (fp8) and the 16-channel VAE of ``random_flux_files.py`` (the
-  SD3 VAE has the FLUX VAE's layout and config): by default those FLUX files are reused by hard link.
+- with ``--all``, also CLIP-L (with SD3's ``text_projection``), T5-XXL (fp8) and the 16-channel VAE
+  of ``random_flux_files.py`` (the SD3 VAE has the FLUX VAE's layout and config). Without ``--all``
+  bring those: the FLUX files serve, except FLUX's clip_l, which lacks SD3's projection.
 
 Weights N(0, ``--std``) (0.02), biases 0, norm scales 1 (``pos_embed`` N(0, 0.02) too).
 """
@@ -108,7 +109,10 @@ def main() -> None:
     jobs = [("sd35-medium-random.safetensors", mmditx_spec(args.blocks), torch.bfloat16, args.seed),
             ("clip_g-random.safetensors", clip_g_spec(), torch.float16, args.seed + 5)]
     if args.all:
-        jobs += [("clip_l-random.safetensors", clip_l_spec(), torch.float16, args.seed + 1),
+        # SD3 ships its CLIP-L with the projection head (FLUX.1's clip_l has none: sd-accel refuses
+        # that one for SD3, saying so)
+        clip_l = clip_l_spec() + [("text_projection.weight", (768, 768), "w")]
+        jobs += [("clip_l-random.safetensors", clip_l, torch.float16, args.seed + 1),
                  ("ae-random.safetensors", flux_vae_spec(), torch.float32, args.seed + 2),
                  ("t5xxl-random-fp8_e4m3fn.safetensors", t5xxl_spec(), torch.float8_e4m3fn, args.seed + 4)]
     for name, spec, dtype, seed in jobs:
