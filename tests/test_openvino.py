@@ -272,7 +272,7 @@ def test_engine_precision_picks_int8_or_float_when_both_cover_the_call(int8_buil
     assert used(engine_precision="int8") == {records["int8"].key.name}
     assert used() == {records["int8"].key.name}  # no preference: the faster precision among equals
     with pytest.raises(ValueError, match="engine_precision"):
-        AccelConfig(engine_precision="int4")
+        AccelConfig(engine_precision="int2")
 
 
 @pytest.mark.slow
