@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from sd_accel.core import InvalidValue
-from sd_accel.runtime.weights import PageDropper, park
+from sd_accel.runtime.weights import PageDropper, hand_back_hooks, park
 
 log = logging.getLogger("sd_accel")
 
@@ -53,15 +53,7 @@ def page_after_use(module: torch.nn.Module) -> None:
     (permanently; once per module)."""
     if getattr(module, _HOOKS, None):
         return
-    dropper = PageDropper()
-
-    def hand_back(mod: torch.nn.Module, args, output) -> None:
-        for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)):
-            dropper(t)
-
-    hooks = [m.register_forward_hook(hand_back) for m in module.modules()
-             if next(m.parameters(recurse=False), None) is not None]
-    object.__setattr__(module, _HOOKS, hooks)
+    object.__setattr__(module, _HOOKS, hand_back_hooks(module, PageDropper()))
 
 
 def page_big_encoders(pipe, folder: Path | str) -> list[str]:

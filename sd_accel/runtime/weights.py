@@ -155,6 +155,19 @@ def release(module: torch.nn.Module) -> int:
     return dropper.dropped
 
 
+def hand_back_hooks(module: torch.nn.Module, dropper: PageDropper) -> list:
+    """Forward hooks on each submodule of ``module`` with tensors of its own that hand their
+    file-backed pages to ``dropper`` right after its forward; the caller removes them (or keeps
+    them: :mod:`sd_accel.runtime.paged_encoders`)."""
+
+    def hand_back(mod: torch.nn.Module, args, output) -> None:
+        for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)):
+            dropper(t)
+
+    return [m.register_forward_hook(hand_back) for m in module.modules()
+            if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None]
+
+
 @contextlib.contextmanager
 def handed_back_after_use(module: torch.nn.Module) -> Iterator[PageDropper]:
     """Within the block, each submodule of ``module`` hands back the resident pages of its own
@@ -162,13 +175,7 @@ def handed_back_after_use(module: torch.nn.Module) -> Iterator[PageDropper]:
     refit's validation against torch) holds one layer's weights resident at a time, not the whole
     module beside the engine (SD 1.5's UNet: 3.4 GB). Anonymous weights are never touched."""
     dropper = PageDropper()
-
-    def hand_back(mod: torch.nn.Module, args, output) -> None:
-        for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)):
-            dropper(t)
-
-    hooks = [m.register_forward_hook(hand_back) for m in module.modules()
-             if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None]
+    hooks = hand_back_hooks(module, dropper)
     try:
         yield dropper
     finally:
