@@ -6,7 +6,8 @@
 
 writes into ``OUT`` (each file tensor by tensor, so the script's peak RSS stays about 1.3 GB (measured: 1.27 GiB, 73 s on 2 cores)):
 
-- ``flux1-dev-random.safetensors``: the FLUX.1-dev transformer in Black Forest Labs' layout
+- ``flux1-dev-random.safetensors`` (``flux1-schnell-random.safetensors`` with ``--schnell``: no
+  ``guidance_in``): the FLUX.1-dev transformer in Black Forest Labs' layout
   (``double_blocks.0.img_attn.qkv.weight``, ``single_blocks.0.linear1.weight``, ``guidance_in.*``,
   ``final_layer.*``) at FLUX's real width (hidden 3072, 24 heads, context_in_dim 4096, vec_in_dim
   768, in_channels 64) with ``--double`` double and ``--single`` single blocks (1 and 1: 0.66 G
@@ -46,11 +47,13 @@ def _linear(spec: Spec, name: str, out_f: int, in_f: int, bias: bool = True) -> 
         spec.append((f"{name}.bias", (out_f,), "zeros"))
 
 
-def flux_spec(double: int, single: int) -> Spec:
-    """BFL FLUX.1-dev transformer keys and shapes (backend/nn/flux.py in Forge)."""
+def flux_spec(double: int, single: int, guidance: bool = True) -> Spec:
+    """BFL FLUX.1-dev transformer keys and shapes (backend/nn/flux.py in Forge); schnell is the
+    same without ``guidance_in`` (``guidance=False``)."""
     s: Spec = []
     _linear(s, "img_in", HIDDEN, IN_CH)
-    for emb, in_dim in (("time_in", 256), ("vector_in", VEC), ("guidance_in", 256)):
+    embeddings = (("time_in", 256), ("vector_in", VEC)) + ((("guidance_in", 256),) if guidance else ())
+    for emb, in_dim in embeddings:
         _linear(s, f"{emb}.in_layer", HIDDEN, in_dim)
         _linear(s, f"{emb}.out_layer", HIDDEN, HIDDEN)
     _linear(s, "txt_in", HIDDEN, CONTEXT)
@@ -231,14 +234,19 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-t5", action="store_true", help="leave T5-XXL (4.8 GB) out")
+    ap.add_argument("--skip-lora", action="store_true", help="leave the LoRA out")
+    ap.add_argument("--schnell", action="store_true",
+                    help="FLUX.1-schnell (no guidance embedding): flux1-schnell-random.safetensors")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    transformer = flux_spec(args.double, args.single)
+    transformer = flux_spec(args.double, args.single, guidance=not args.schnell)
     meta = {"sd_accel": "random weights (scripts/random_flux_files.py)"}
-    jobs = [("flux1-dev-random.safetensors", transformer, torch.bfloat16, args.seed),
+    variant = "schnell" if args.schnell else "dev"
+    jobs = [(f"flux1-{variant}-random.safetensors", transformer, torch.bfloat16, args.seed),
             ("clip_l-random.safetensors", clip_l_spec(), torch.float16, args.seed + 1),
-            ("ae-random.safetensors", flux_vae_spec(), torch.float32, args.seed + 2),
-            ("flux-lora-random.safetensors", lora_spec(transformer, args.rank), torch.bfloat16, args.seed + 3)]
+            ("ae-random.safetensors", flux_vae_spec(), torch.float32, args.seed + 2)]
+    if not args.skip_lora:
+        jobs.append(("flux-lora-random.safetensors", lora_spec(transformer, args.rank), torch.bfloat16, args.seed + 3))
     if not args.skip_t5:
         jobs.append(("t5xxl-random-fp8_e4m3fn.safetensors", t5xxl_spec(), torch.float8_e4m3fn, args.seed + 4))
     for name, spec, dtype, seed in jobs:

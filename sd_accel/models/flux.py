@@ -118,20 +118,24 @@ def to_diffusers(name: str, tensor: torch.Tensor, hidden: int) -> list[tuple[str
 
 
 def load_transformer(path: Path, config: dict[str, Any], prefix: str, dtype: torch.dtype):
-    """The transformer built from ``config`` and filled tensor by tensor from the memory-mapped
-    file (an fp8 file cast straight to ``dtype``)."""
+    """The transformer built from ``config`` with its weights on the file's memory mapping
+    (:mod:`sd_accel.models.mapped_file`): a file already in ``dtype`` (bf16 FLUX.1 in a bf16
+    pipeline) costs no memory of its own until a layer runs, and its pages can be handed back
+    after (FLUX.1's 24 GB would not fit a 24 GB machine copied); any other file (fp8, or an fp32
+    pipeline) is cast tensor by tensor, never through an fp32 copy of the whole."""
     import diffusers
-    from safetensors import safe_open
+
+    from sd_accel.models.mapped_file import open_mapped
 
     with torch.device("meta"):
         model = diffusers.FluxTransformer2DModel.from_config({k: v for k, v in config.items()
                                                               if not k.startswith("_")})
     hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
     state: dict[str, torch.Tensor] = {}
-    with safe_open(str(path), framework="pt") as f:
+    with open_mapped(path) as f:
         for key in f.keys():
             if key.startswith(prefix):
-                for name, tensor in to_diffusers(key[len(prefix):], f.get_tensor(key), hidden):
+                for name, tensor in to_diffusers(key[len(prefix):], f[key], hidden):
                     state[name] = tensor.to(dtype)
     expected = set(model.state_dict())
     if set(state) != expected:

@@ -1,0 +1,106 @@
+"""The tensors of a safetensors file as views on the file's own memory mapping.
+
+``safe_open(...).get_tensor`` copies every tensor into anonymous memory: a 24 GB FLUX.1 file read
+that way is 24 GB of RSS for as long as the model lives, over a 24 GB machine. Tensors made here
+share the file's pages instead (a private, copy-on-write mapping: writing one, a LoRA merged in
+place, copies only the pages written and never touches the file), so the kernel pages them in
+when a layer runs and :func:`sd_accel.pages.release_file` / ``runtime.weights.release`` can hand
+them back; :func:`sd_accel.onnx.export.fp32_on` gives such weights their mapped data back after a
+segment's export instead of keeping a converted copy.
+
+Example::
+
+    with open_mapped(path) as tensors:
+        weight = tensors["img_in.weight"]   # a bf16 view on the file, no copy
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+
+from sd_accel.core import CheckpointError
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class MappedFile:
+    """A safetensors file's header and mapping; ``self[key]`` is a tensor on the mapping.
+
+    The mapping lives as long as any tensor made from it (their storages hold it), so closing
+    this object (or leaving its ``with`` block) never invalidates a weight a model holds."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as fh:
+                size = self.path.stat().st_size
+                head = fh.read(8)
+                if len(head) < 8:
+                    raise CheckpointError(f"{self.path.name} is not a safetensors file (only {size} bytes)")
+                (length,) = struct.unpack("<Q", head)
+                if length > size - 8 or length > 100 * 2**20:
+                    raise CheckpointError(f"{self.path.name} is not a safetensors file (its header length {length} "
+                                          f"does not fit the file's {size} bytes): it may be truncated or another format")
+                header = json.loads(fh.read(length))
+                # ACCESS_COPY: writable for torch (frombuffer warns on read-only buffers) but never
+                # written back; untouched pages stay the file's and can be dropped and read again.
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{self.path.name} could not be read as a safetensors file "
+                                  f"({type(exc).__name__}: {exc})") from exc
+        self._base = 8 + length
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.header: dict[str, dict] = header
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+        if self._base + end > size:
+            raise CheckpointError(f"{self.path.name} is truncated: its header describes {self._base + end} bytes, "
+                                  f"the file has {size}; download it again")
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.header
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        entry = self.header[key]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.path.name}: {key} is stored as {entry['dtype']}, which sd-accel does not read")
+        begin, end = (int(x) for x in entry["data_offsets"])
+        shape = [int(x) for x in entry["shape"]]
+        count = (end - begin) // dtype.itemsize
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is writable (copy-on-write)
+            flat = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._base + begin)
+        return flat.view(shape)
+
+    def close(self) -> None:
+        """Drop this object's reference; tensors already made keep the mapping alive."""
+        self._map = None  # type: ignore[assignment]
+
+    def __enter__(self) -> MappedFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_mapped(path: Path | str) -> MappedFile:
+    """The file ``path`` mapped; see :class:`MappedFile`."""
+    return MappedFile(path)
+
+
+__all__ = ["MappedFile", "open_mapped"]
