@@ -4,8 +4,8 @@ peak RSS (VmHWM) is the figure. **Random weights**: the files come from
 ``scripts/random_sd35_files.py --blocks 24`` (SD3.5 Medium, 2.2B) or ``scripts/random_flux_files.py``
 (FLUX.1), at the real widths and depths, CLIP-L/G, T5-XXL (fp8 as published) and the VAE beside.
 
-    python scripts/bench_full_size.py build FILE ENGINES [--size 1024] [--text 256] [--precision int8]
-        [--components transformer]
+    python scripts/bench_full_size.py build FILE ENGINES [--size 1024] [--min-size 512] [--text 256]
+        [--precision int8] [--components transformer]
     python scripts/bench_full_size.py run FILE ENGINES [--size 1024] [--steps 2] [--cfg 4.5]
         [--t5 torch|drop] [--out IMAGE.npy] [--torch]
     python scripts/bench_full_size.py encode FILE [--repeats 3]    # SD_ACCEL_PAGED_ENCODERS=off: T5 resident
@@ -39,7 +39,7 @@ def _status() -> dict[str, float]:
 
 
 def build(file: Path, engines: Path, size: int, text: int, precision: str, components: list[str],
-          backend: str, validate: bool) -> None:
+          backend: str, validate: bool, min_size: int | None = None) -> None:
     import torch
 
     from sd_accel import build_engines, load_pipeline
@@ -56,7 +56,8 @@ def build(file: Path, engines: Path, size: int, text: int, precision: str, compo
         print(f"STAGE {time.perf_counter() - start:7.1f}s rss {s['VmRSS']:5.2f} GiB peak {s['VmHWM']:5.2f} GiB  "
               f"{ev.component} {ev.stage}", flush=True)
 
-    records = build_engines(pipe, profiles=[Profile(batch=1, height=size, width=size, text=text)], backend=backend,
+    records = build_engines(pipe, profiles=[Profile(batch=1, height=(min_size or size, size, size),
+                                                       width=(min_size or size, size, size), text=text)], backend=backend,
                             precision=precision, components=components, engine_dir=str(engines), progress=stage,
                             validate=validate)
     seconds = time.perf_counter() - start
@@ -155,6 +156,7 @@ def main() -> None:
     b.add_argument("--precision", default="int8")
     b.add_argument("--components", default="transformer")
     b.add_argument("--no-validate", action="store_true", help="skip the check against torch")
+    b.add_argument("--min-size", type=int, default=None, help="one engine for sizes from this up to --size")
     r = sub.choices["run"]
     r.add_argument("--steps", type=int, default=2)
     r.add_argument("--cfg", type=float, default=4.5)
@@ -172,7 +174,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.cmd == "build":
         build(args.file, args.engines, args.size, args.text, args.precision, args.components.split(","), args.backend,
-              not args.no_validate)
+              not args.no_validate, args.min_size)
     elif args.cmd == "encode":
         encode(args.file, args.text, args.repeats)
     elif args.cmd == "run":
