@@ -6,6 +6,7 @@ every function here does nothing."""
 
 from __future__ import annotations
 
+import array
 import bisect
 import contextlib
 import ctypes
@@ -16,6 +17,10 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # MADV_PAGEOUT (Linux >= 5.4): reclaim a range; anonymous pages go to swap (or stay), clean file
 # pages are dropped, dirty ones written back. Never loses data, unlike MADV_DONTNEED.
@@ -33,6 +38,27 @@ def _libc():
 
 
 _LIBC = _libc() if _MADV_PAGEOUT is not None else None
+
+
+def resident_bytes(ptr: int, nbytes: int) -> int | None:
+    """The bytes of ``[ptr, ptr + nbytes)`` mapped into this process now (``/proc/self/pagemap``'s
+    present bit, whole pages counted; a file's pages in the page cache but not mapped here do not
+    count, unlike ``mincore``); None where that cannot be asked."""
+    if nbytes <= 0:
+        return None
+    lo = ptr // _PAGE
+    pages = (ptr + nbytes + _PAGE - 1) // _PAGE - lo
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as fh:
+            fh.seek(lo * 8)
+            raw = fh.read(pages * 8)
+    except OSError:
+        return None
+    if len(raw) != pages * 8:
+        return None
+    entries = array.array("Q")
+    entries.frombytes(raw)
+    return sum(1 for e in entries if e >> 63) * _PAGE
 
 
 def page_out(ptr: int, nbytes: int) -> int:
@@ -132,3 +158,33 @@ class FileMaps:
         """Whether ``[ptr, ptr + nbytes)`` lies in one file-backed mapping."""
         i = bisect.bisect_right(self.starts, ptr) - 1
         return i >= 0 and ptr + nbytes <= self.ends[i]
+
+
+class PageDropper:
+    """``dropper(tensor)``: hand back the resident pages of ``tensor``'s storage if it is
+    memory-mapped from a file (anonymous memory is never touched). For hashing a model one
+    tensor at a time without leaving it all resident."""
+
+    def __init__(self) -> None:
+        self.maps = FileMaps()
+        self.dropped = 0
+
+    def mapped(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage lies in a file-backed mapping."""
+        if tensor.device.type != "cpu":
+            return False
+        storage = tensor.untyped_storage()
+        return bool(storage.nbytes()) and self.maps.holds(storage.data_ptr(), storage.nbytes())
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if self.mapped(tensor):
+            storage = tensor.untyped_storage()
+            self.dropped += page_out(storage.data_ptr(), storage.nbytes())
+
+
+def mostly_resident(tensor: torch.Tensor) -> bool:
+    """Whether at least half of ``tensor``'s storage is in memory now (True where that cannot be
+    asked: the caller then leaves it as it is)."""
+    storage = tensor.untyped_storage()
+    resident = resident_bytes(storage.data_ptr(), storage.nbytes())
+    return resident is None or 2 * resident >= storage.nbytes()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sd_accel import AccelConfig, accelerate, build_engines, load_pipeline, pages, stats
-from sd_accel.onnx.fingerprint import cached_fingerprint, fingerprint
+from sd_accel.onnx.fingerprint import cached_fingerprint, clear_fingerprint, fingerprint
 from sd_accel.runtime import weights
 from sd_accel.runtime.modules import EngineUNet
 from sd_accel.runtime.swap import torch_modules, unswap
@@ -144,10 +144,18 @@ def test_memory_mapped_weights_stay_in_their_file_and_hashing_leaves_them_out(tm
     if not weights.FileMaps().holds(module.a.weight.data_ptr(), 4):
         pytest.skip("this safetensors copies tensors instead of mapping them; the spill test covers that case")
     size_kb = sum(p.numel() * p.element_size() for p in module.parameters()) // 1024
-    module(torch.randn(1, 2048))  # everything resident
+    module(torch.randn(1, 2048))  # everything resident: hashing leaves weights in use as they are
     file_before = _status_kb("RssFile")
-    fp = fingerprint(module, each=weights.PageDropper())
-    assert file_before - _status_kb("RssFile") > 0.8 * size_kb  # hashed, and handed back as it went
+    assert fingerprint(module) and file_before - _status_kb("RssFile") < 0.2 * size_kb
+    weights.release(module)  # not in memory: hashing reads them, and hands them back as it goes
+    clear_fingerprint(module)
+    file_before = _status_kb("RssFile")
+    fp = fingerprint(module)
+    assert _status_kb("RssFile") - file_before < 0.2 * size_kb
+    weights.release(module)
+    clear_fingerprint(module)
+    assert fingerprint(module, hand_back=False) == fp  # (what it was before: they stayed)
+    assert _status_kb("RssFile") - file_before > 0.8 * size_kb
     spill = weights.park(module, tmp_path, "mapped")
     assert spill.spilled_bytes == 0 and spill.mapped_bytes >= size_kb * 1024 and spill.path is None
     assert not (tmp_path / weights.SPILL_DIR).exists()  # nothing written

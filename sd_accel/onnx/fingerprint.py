@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from sd_accel.core import InvalidValue
+from sd_accel.pages import PageDropper, mostly_resident
 
 _ATTR = "_sd_accel_fingerprint"
 _CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per update: bounded extra memory on any device
@@ -31,23 +32,31 @@ _CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per update: bounded extra memory 
 _CONFIG_IGNORED = {"dtype", "torch_dtype", "transformers_version", "architectures", "name_or_path"}
 
 
-def fingerprint(module: torch.nn.Module, each: Callable[[torch.Tensor], Any] | None = None) -> str:
+def fingerprint(module: torch.nn.Module, each: Callable[[torch.Tensor], Any] | None = None,
+                hand_back: bool = True) -> str:
     """Hex SHA-256 of ``module``'s weights and architecture (see the module docstring for the rule).
 
-    ``each(tensor)`` runs after each tensor is hashed (the runtime drops the pages of
-    memory-mapped weights there, so that hashing a model does not leave it all resident)."""
+    ``each(tensor)`` runs after each tensor is hashed. With ``hand_back`` (the default) a weight
+    memory-mapped from its file that was not in memory before it was hashed has its pages handed
+    back right after (:class:`sd_accel.pages.PageDropper`): hashing reads every weight once, and
+    FLUX.1's 24 GB mapped from its file stayed resident after it (a 17.7 GiB peak before a build
+    began). Weights already in memory (in use) stay; anonymous memory is never touched."""
     tensors = module.state_dict(keep_vars=True)
     signature = _signature(tensors)
     cached = getattr(module, _ATTR, None)
     if cached is not None and cached[0] == signature:
         return cached[1]
+    dropper = PageDropper() if hand_back else None
     digest = hashlib.sha256()
     digest.update(type(module).__name__.encode())
     digest.update(_config_blob(module))
     for name, tensor in tensors.items():
         # .data, not .detach(): a view that shares no version counter (a tensor left without one,
         # see _version, raises on any view that shares it)
+        cold = dropper is not None and dropper.mapped(tensor) and not mostly_resident(tensor)
         _update(digest, name, tensor.data)
+        if cold:
+            dropper(tensor)
         if each is not None:
             each(tensor)
     value = digest.hexdigest()

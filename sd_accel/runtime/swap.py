@@ -12,7 +12,7 @@ from sd_accel.runtime.loader import engines_for
 from sd_accel.runtime.modules import EngineModule, EngineTextEncoder, EngineUNet, EngineVAE
 from sd_accel.runtime.selection import ComponentEngines
 from sd_accel.runtime.transformer import EngineT5, EngineTransformer
-from sd_accel.runtime.weights import PageDropper, park, parked, release
+from sd_accel.runtime.weights import park, parked, release
 
 log = logging.getLogger("sd_accel")
 
@@ -108,7 +108,7 @@ def swap_engines(pipe, cache, backend, fallback: bool = True, prefer_precision: 
                 model = backend.model_id(torch_module)
                 backend.attach(model, specs[component])
             else:  # Hashing reads every weight: hand back the pages of memory-mapped ones as it goes.
-                model = fingerprint(torch_module, each=PageDropper() if park_weights else None)
+                model = fingerprint(torch_module, hand_back=park_weights)
             engines[component] = engines_for(cache, backend, model, component, fallback=fallback,
                                              prefer_precision=prefer_precision)
             engines[component].builder = builder
@@ -183,7 +183,7 @@ def _swap_controlnets(pipe, control: dict, cache, backend, fallback: bool, prefe
             # often share one: their runners could not tell which live module is theirs. They run torch.
             log.info("%s: the %s backend does not serve ControlNets yet; it runs in torch", key, backend.name)
             continue
-        model = fingerprint(net, each=PageDropper() if park_weights else None)
+        model = fingerprint(net, hand_back=park_weights)
         engines = engines_for(cache, backend, model, CONTROLNET, fallback=fallback, prefer_precision=prefer_precision)
         engines.builder = builder
         found[key] = len(engines.handles)

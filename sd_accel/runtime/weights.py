@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from sd_accel.pages import FileMaps, trim_heap
+from sd_accel.pages import FileMaps, PageDropper, trim_heap
 from sd_accel.pages import page_out as _page_out
 from sd_accel.units import format_size
 
@@ -123,25 +123,8 @@ def parked(module: torch.nn.Module) -> ParkedWeights | None:
 # --------------------------------------------------------------------------- file-backed memory
 
 
-# FileMaps lives in sd_accel.pages (the export's fp32 conversion reads it too); imported above.
-
-
-class PageDropper:
-    """``dropper(tensor)``: hand back the resident pages of ``tensor``'s storage if it is
-    memory-mapped from a file (anonymous memory is never touched). For hashing a model one
-    tensor at a time without leaving it all resident."""
-
-    def __init__(self) -> None:
-        self.maps = FileMaps()
-        self.dropped = 0
-
-    def __call__(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cpu":
-            return
-        storage = tensor.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes and self.maps.holds(ptr, nbytes):
-            self.dropped += _page_out(ptr, nbytes)
+# FileMaps and PageDropper live in sd_accel.pages (the export's fp32 conversion and the
+# fingerprint use them too); imported above.
 
 
 def release(module: torch.nn.Module) -> int:
