@@ -80,6 +80,13 @@ def run(file: Path, engines: Path, size: int, steps: int, cfg: float, text: int,
     if not torch_only:
         pipe = accelerate(pipe, engines=True, engine_dir=str(engines), backend=backend, precision="bf16",
                           engine_precision=engine_precision)
+    elif "Flux" in type(pipe).__name__:
+        # FLUX.1's 24 GB of bf16 do not fit in this machine's memory: the reference runs on the file's
+        # mapping (models.mapped_file), each layer's pages handed back after its forward
+        from sd_accel.pages import PageDropper
+        from sd_accel.runtime.weights import hand_back_hooks
+
+        hand_back_hooks(pipe.transformer, PageDropper())
     load_s = time.perf_counter() - start
     flux = "Flux" in type(pipe).__name__
     call = dict(height=size, width=size, num_inference_steps=steps, guidance_scale=cfg,

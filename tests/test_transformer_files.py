@@ -4,13 +4,14 @@ out the way ComfyUI users keep them."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from sd_accel import load_pipeline
+from sd_accel import build_engines, load_pipeline
 from sd_accel.core import CheckpointError
 from sd_accel.models.builtin import build_tiny_pipeline
 
@@ -137,3 +138,52 @@ def test_scaled_fp8_encoder_is_refused_by_name(tmp_path, sd3):
     layout.save(state, path)
     with pytest.raises(CheckpointError, match="scaled fp8.*t5xxl_fp16"):
         load_pipeline(path)
+
+
+def test_fp8_flux_transformer_stays_fp8_on_its_file_and_builds(tmp_path, flux_dev):
+    """A ``flux1-dev-fp8-e4m3fn.safetensors`` (every 2-D weight fp8, the rest bf16, as published):
+    loaded into a bf16 pipeline its fp8 weights stay fp8 on the file's mapping (cast to bf16,
+    FLUX.1's would be 24 GB), the transformer reports bf16 and computes each layer in bf16 (the
+    torch forward equals the bf16 model of the same fp8-rounded weights), and an engine builds from
+    it, checked against that torch forward; the weights are still the file's after both."""
+    from sd_accel.pages import FileMaps
+    from sd_accel.profiles import Profile
+
+    path = _comfy_flux(tmp_path / "models", flux_dev)
+    state = layout.flux_transformer_state_dict(flux_dev.transformer)
+    fp8 = {k: v.to(torch.float8_e4m3fn) if v.dim() == 2 else v.to(torch.bfloat16) for k, v in state.items()}
+    layout.save(fp8, path.with_name("flux1-dev-fp8-e4m3fn.safetensors"))
+    path.unlink()
+    pipe = load_pipeline(path.with_name("flux1-dev-fp8-e4m3fn.safetensors"), torch_dtype=torch.bfloat16)
+    model = pipe.transformer
+
+    def on_file() -> bool:
+        maps = FileMaps()
+        return all(maps.holds(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes())
+                   for name, p in model.named_parameters()  # (the final modulation's halves swapped: a copy)
+                   if p.dtype == torch.float8_e4m3fn and not name.startswith("norm_out."))
+
+    weights = [p for p in model.parameters() if p.dtype == torch.float8_e4m3fn]
+    assert len(weights) > 20 and model.dtype == torch.bfloat16 and on_file()
+    ref = copy.deepcopy(flux_dev.transformer).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 2:  # rounded to fp8 from the same float32 the file's were
+                p.copy_(p.to(torch.float8_e4m3fn).float())
+    ref = ref.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    cfg = model.config
+    feed = dict(hidden_states=torch.randn(1, 16, cfg.in_channels, generator=g).bfloat16(),
+                encoder_hidden_states=torch.randn(1, 8, cfg.joint_attention_dim, generator=g).bfloat16(),
+                pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=g).bfloat16(),
+                timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3),
+                txt_ids=torch.zeros(8, 3), return_dict=False)
+    with torch.no_grad():
+        got, want = model(**feed)[0].float(), ref(**feed)[0].float()
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()
+    assert all(p.dtype == torch.float8_e4m3fn for p in weights) and on_file()
+    (record,) = build_engines(pipe, profiles=[Profile(batch=1, height=64, width=64, text=32)], backend="openvino",
+                              precision="fp32", components=["transformer"], engine_dir=tmp_path / "engines",
+                              progress=False)
+    assert record.validation["ok"] and record.validation["rel_l2"] < 1e-2, record.validation
+    assert all(p.dtype == torch.float8_e4m3fn for p in model.parameters() if p.dim() == 2) and on_file()

@@ -121,10 +121,13 @@ def load_transformer(path: Path, config: dict[str, Any], prefix: str, dtype: tor
     """The transformer built from ``config`` with its weights on the file's memory mapping
     (:mod:`sd_accel.models.mapped_file`): a file already in ``dtype`` (bf16 FLUX.1 in a bf16
     pipeline) costs no memory of its own until a layer runs, and its pages can be handed back
-    after (FLUX.1's 24 GB would not fit a 24 GB machine copied); any other file (fp8, or an fp32
-    pipeline) is cast tensor by tensor, never through an fp32 copy of the whole."""
+    after (FLUX.1's 24 GB would not fit a 24 GB machine copied). fp8 weights (an
+    ``...-fp8-e4m3fn`` file) stay fp8 on the mapping too, each layer computing in ``dtype``
+    (:mod:`sd_accel.models.fp8_storage`: cast to bf16 they would be 24 GB); other tensors are
+    cast one by one, never through an fp32 copy of the whole."""
     import diffusers
 
+    from sd_accel.models.fp8_storage import FP8, compute_in
     from sd_accel.models.mapped_file import open_mapped
 
     with torch.device("meta"):
@@ -136,13 +139,14 @@ def load_transformer(path: Path, config: dict[str, Any], prefix: str, dtype: tor
         for key in f.keys():
             if key.startswith(prefix):
                 for name, tensor in to_diffusers(key[len(prefix):], f[key], hidden):
-                    state[name] = tensor.to(dtype)
+                    state[name] = tensor if tensor.dtype in FP8 else tensor.to(dtype)
     expected = set(model.state_dict())
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise CheckpointError(f"{path.name}: the FLUX.1 transformer's weights do not match its architecture "
                               f"(missing {missing[:3]}, unexpected {extra[:3]}); it may be truncated or another variant")
     model.load_state_dict(state, assign=True)
+    compute_in(model, dtype)
     return model.eval()
 
 
