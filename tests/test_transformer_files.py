@@ -14,6 +14,7 @@ import torch
 from sd_accel import build_engines, load_pipeline
 from sd_accel.core import CheckpointError
 from sd_accel.models.builtin import build_tiny_pipeline
+from sd_accel.pages import FileMaps
 
 from support import transformer_layout as layout
 
@@ -127,6 +128,10 @@ def test_sd3_file_with_separate_clip_l_clip_g_and_t5(tmp_path, sd3):
     layout.save(layout.t5_state_dict(sd3.text_encoder_3), tmp_path / "clip" / "t5xxl_fp16.safetensors")
     pipe = load_pipeline(path)
     _same(sd3.transformer, pipe.transformer)
+    maps = FileMaps()  # left on the file's mapping, not copied (SD3.5 Large: 16 GB of bf16)
+    params = [p for name, p in pipe.transformer.named_parameters() if not name.startswith("norm_out.")
+              and not name.startswith(f"transformer_blocks.{len(pipe.transformer.transformer_blocks) - 1}.norm1_context")]
+    assert all(maps.holds(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in params)
     _same(sd3.text_encoder_2, pipe.text_encoder_2)
     _same(sd3.text_encoder, pipe.text_encoder, atol=1e-3)  # stored in fp16
 
@@ -146,7 +151,6 @@ def test_fp8_flux_transformer_stays_fp8_on_its_file_and_builds(tmp_path, flux_de
     FLUX.1's would be 24 GB), the transformer reports bf16 and computes each layer in bf16 (the
     torch forward equals the bf16 model of the same fp8-rounded weights), and an engine builds from
     it, checked against that torch forward; the weights are still the file's after both."""
-    from sd_accel.pages import FileMaps
     from sd_accel.profiles import Profile
 
     path = _comfy_flux(tmp_path / "models", flux_dev)

@@ -118,36 +118,15 @@ def to_diffusers(name: str, tensor: torch.Tensor, hidden: int) -> list[tuple[str
 
 
 def load_transformer(path: Path, config: dict[str, Any], prefix: str, dtype: torch.dtype):
-    """The transformer built from ``config`` with its weights on the file's memory mapping
-    (:mod:`sd_accel.models.mapped_file`): a file already in ``dtype`` (bf16 FLUX.1 in a bf16
-    pipeline) costs no memory of its own until a layer runs, and its pages can be handed back
-    after (FLUX.1's 24 GB would not fit a 24 GB machine copied). fp8 weights (an
-    ``...-fp8-e4m3fn`` file) stay fp8 on the mapping too, each layer computing in ``dtype``
-    (:mod:`sd_accel.models.fp8_storage`: cast to bf16 they would be 24 GB); other tensors are
-    cast one by one, never through an fp32 copy of the whole."""
+    """The transformer built from ``config`` with its weights left on the file's memory mapping
+    (:func:`sd_accel.models.mapped_file.model_on_file`; fp8 files stay fp8)."""
     import diffusers
 
-    from sd_accel.models.fp8_storage import FP8, compute_in
-    from sd_accel.models.mapped_file import open_mapped
+    from sd_accel.models.mapped_file import model_on_file
 
-    with torch.device("meta"):
-        model = diffusers.FluxTransformer2DModel.from_config({k: v for k, v in config.items()
-                                                              if not k.startswith("_")})
     hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
-    state: dict[str, torch.Tensor] = {}
-    with open_mapped(path) as f:
-        for key in f.keys():
-            if key.startswith(prefix):
-                for name, tensor in to_diffusers(key[len(prefix):], f[key], hidden):
-                    state[name] = tensor if tensor.dtype in FP8 else tensor.to(dtype)
-    expected = set(model.state_dict())
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise CheckpointError(f"{path.name}: the FLUX.1 transformer's weights do not match its architecture "
-                              f"(missing {missing[:3]}, unexpected {extra[:3]}); it may be truncated or another variant")
-    model.load_state_dict(state, assign=True)
-    compute_in(model, dtype)
-    return model.eval()
+    return model_on_file(diffusers.FluxTransformer2DModel, config, path, prefix,
+                         lambda name, tensor: to_diffusers(name, tensor, hidden), dtype, "the FLUX.1 transformer")
 
 
 def find_parts(path: Path, given: dict[str, str | Path] | None = None) -> dict[str, Path]:

@@ -20,7 +20,9 @@ import json
 import mmap
 import struct
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,4 +105,36 @@ def open_mapped(path: Path | str) -> MappedFile:
     return MappedFile(path)
 
 
-__all__ = ["MappedFile", "open_mapped"]
+Rename = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def model_on_file(cls, config: dict[str, Any], path: Path, prefix: str, rename: Rename, dtype: torch.dtype,
+                  what: str) -> torch.nn.Module:
+    """``cls`` (a diffusers model class) built from ``config`` on the meta device, its weights the
+    file's tensors under ``prefix`` as ``rename(name, tensor)`` names them (views: a fused q/k/v
+    split by ``chunk`` stays on the mapping), left on the file's mapping: a tensor already in
+    ``dtype`` costs no memory of its own until used (FLUX.1's 24 GB would not fit a 24 GB machine
+    copied); fp8 tensors stay fp8 there, each layer computing in ``dtype``
+    (:mod:`sd_accel.models.fp8_storage`); others are cast one by one. Every weight the
+    architecture has must come from the file (``what`` names it in the error)."""
+    from sd_accel.models.fp8_storage import FP8, compute_in
+
+    with torch.device("meta"):
+        model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    state: dict[str, torch.Tensor] = {}
+    with open_mapped(path) as f:
+        for key in f.keys():
+            if key.startswith(prefix):
+                for name, tensor in rename(key[len(prefix):], f[key]):
+                    state[name] = tensor if tensor.dtype in FP8 else tensor.to(dtype)
+    expected = set(model.state_dict())
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise CheckpointError(f"{path.name}: {what}'s weights do not match its architecture (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]}); it may be truncated or another variant")
+    model.load_state_dict(state, assign=True)
+    compute_in(model, dtype)
+    return model.eval()
+
+
+__all__ = ["MappedFile", "model_on_file", "open_mapped"]

@@ -58,6 +58,75 @@ def transformer_config(base: dict[str, Any], shapes: Shapes, prefix: str) -> dic
                 dual_attention_layers=[i for i in layers if f"{prefix}joint_blocks.{i}.x_block.attn2.qkv.weight" in shapes])
 
 
+# Stability's MMDiT names -> diffusers' SD3Transformer2DModel (diffusers' converter does the same
+# with copies: torch.cat of every q / k / v, which would move the weights off the file's mapping)
+_GLOBAL: tuple[tuple[str, str], ...] = (
+    ("pos_embed", "pos_embed.pos_embed"), ("x_embedder.proj.", "pos_embed.proj."),
+    ("t_embedder.mlp.0.", "time_text_embed.timestep_embedder.linear_1."),
+    ("t_embedder.mlp.2.", "time_text_embed.timestep_embedder.linear_2."),
+    ("y_embedder.mlp.0.", "time_text_embed.text_embedder.linear_1."),
+    ("y_embedder.mlp.2.", "time_text_embed.text_embedder.linear_2."),
+    ("context_embedder.", "context_embedder."), ("final_layer.linear.", "proj_out."),
+)
+_BLOCK: tuple[tuple[str, str], ...] = (
+    ("x_block.attn.ln_q.", "attn.norm_q."), ("x_block.attn.ln_k.", "attn.norm_k."),
+    ("context_block.attn.ln_q.", "attn.norm_added_q."), ("context_block.attn.ln_k.", "attn.norm_added_k."),
+    ("x_block.attn.proj.", "attn.to_out.0."), ("context_block.attn.proj.", "attn.to_add_out."),
+    ("x_block.attn2.ln_q.", "attn2.norm_q."), ("x_block.attn2.ln_k.", "attn2.norm_k."),
+    ("x_block.attn2.proj.", "attn2.to_out.0."), ("x_block.adaLN_modulation.1.", "norm1.linear."),
+    ("x_block.mlp.fc1.", "ff.net.0.proj."), ("x_block.mlp.fc2.", "ff.net.2."),
+    ("context_block.mlp.fc1.", "ff_context.net.0.proj."), ("context_block.mlp.fc2.", "ff_context.net.2."),
+)
+_QKV = {"x_block.attn.qkv.": ("attn.to_q.", "attn.to_k.", "attn.to_v."),
+        "context_block.attn.qkv.": ("attn.add_q_proj.", "attn.add_k_proj.", "attn.add_v_proj."),
+        "x_block.attn2.qkv.": ("attn2.to_q.", "attn2.to_k.", "attn2.to_v.")}
+
+
+def _swap_scale_shift(tensor: torch.Tensor) -> torch.Tensor:
+    shift, scale = tensor.chunk(2, dim=0)  # diffusers' AdaLayerNormContinuous takes scale first
+    return torch.cat([scale, shift])
+
+
+def to_diffusers(name: str, tensor: torch.Tensor, last: int) -> list[tuple[str, torch.Tensor]]:
+    """One MMDiT tensor as diffusers' ``SD3Transformer2DModel`` names it (fused q/k/v split as
+    views, the final and the last block's context modulation's shift and scale swapped); ``last``
+    is the index of the last joint block (its context side has no attention output nor MLP)."""
+    if name.startswith("final_layer.adaLN_modulation.1."):
+        return [("norm_out.linear." + name.rsplit(".", 1)[1], _swap_scale_shift(tensor))]
+    for old, new in _GLOBAL:
+        if name.startswith(old):
+            return [(new + name[len(old):], tensor)]
+    match = re.match(r"joint_blocks\.(\d+)\.(.+)", name)
+    if match is None:
+        raise CheckpointError(f"{name}: not an SD3 transformer weight sd-accel knows")
+    index, rest = int(match.group(1)), match.group(2)
+    block = f"transformer_blocks.{index}."
+    for old, names in _QKV.items():
+        if rest.startswith(old):
+            suffix = rest[len(old):]
+            return [(block + n + suffix, t) for n, t in zip(names, tensor.chunk(3, dim=0), strict=True)]
+    if rest.startswith("context_block.adaLN_modulation.1."):
+        value = _swap_scale_shift(tensor) if index == last else tensor
+        return [(block + "norm1_context.linear." + rest.rsplit(".", 1)[1], value)]
+    for old, new in _BLOCK:
+        if rest.startswith(old):
+            return [(block + new + rest[len(old):], tensor)]
+    raise CheckpointError(f"{name}: not an SD3 transformer weight sd-accel knows")
+
+
+def load_transformer(path: Path, config: dict[str, Any], prefix: str, dtype: torch.dtype):
+    """The MMDiT built from ``config`` with its weights left on the file's memory mapping
+    (:func:`sd_accel.models.mapped_file.model_on_file`): SD3.5 Large's 16 GB of bf16 and T5 would
+    not fit a 24 GB machine copied."""
+    import diffusers
+
+    from sd_accel.models.mapped_file import model_on_file
+
+    last = int(config["num_layers"]) - 1
+    return model_on_file(diffusers.SD3Transformer2DModel, config, path, prefix,
+                         lambda name, tensor: to_diffusers(name, tensor, last), dtype, "the SD3 transformer")
+
+
 def load_sd3(path: Path, shapes: Shapes, parts: dict[str, str | Path] | None = None,
              torch_dtype: torch.dtype | None = None):
     """A ``StableDiffusion3Pipeline`` from an SD3 / SD3.5 file and, for what it lacks, its part files."""
@@ -78,9 +147,8 @@ def load_sd3(path: Path, shapes: Shapes, parts: dict[str, str | Path] | None = N
     configs["vae/config.json"] = vae_config(configs["vae/config.json"], read_shapes(vae_file), vae_prefix)
     folder = materialize(configs)
     dtype = torch_dtype or torch.float32
+    transformer = load_transformer(path, configs["transformer/config.json"], prefix, dtype)
     try:
-        transformer = diffusers.SD3Transformer2DModel.from_single_file(
-            str(path), config=str(folder), subfolder="transformer", local_files_only=True, torch_dtype=dtype)
         vae = diffusers.AutoencoderKL.from_single_file(str(vae_file), config=str(folder), subfolder="vae",
                                                        local_files_only=True, torch_dtype=dtype)
     except (KeyError, RuntimeError, ValueError) as exc:
