@@ -191,3 +191,34 @@ def test_fp8_flux_transformer_stays_fp8_on_its_file_and_builds(tmp_path, flux_de
                               progress=False)
     assert record.validation["ok"] and record.validation["rel_l2"] < 1e-2, record.validation
     assert all(p.dtype == torch.float8_e4m3fn for p in model.parameters() if p.dim() == 2) and on_file()
+
+
+def test_bf16_flux_file_loads_in_bf16_by_default_and_stays_bf16_in_float32(tmp_path, flux_dev):
+    """A bf16 ``flux1-dev.safetensors`` (as published): with no dtype asked the pipeline is bf16
+    (in float32 FLUX.1 would be 48 GB, its T5 19 GB); asked for float32, the transformer's weights
+    stay bf16 on the file's mapping and each layer computes in float32, equal to the float32 model
+    of the same bf16 weights."""
+    path = _comfy_flux(tmp_path / "models", flux_dev)
+    layout.save({k: v.to(torch.bfloat16) for k, v in layout.flux_transformer_state_dict(flux_dev.transformer).items()},
+                path)
+    pipe = load_pipeline(path)
+    assert pipe.transformer.dtype == torch.bfloat16 and pipe.vae.dtype == torch.bfloat16
+    assert pipe.text_encoder_2.dtype == torch.bfloat16
+    model = load_pipeline(path, torch_dtype=torch.float32).transformer
+    assert model.dtype == torch.float32
+    stored = [p for name, p in model.named_parameters() if not name.startswith("norm_out.")]
+    maps = FileMaps()
+    assert all(p.dtype == torch.bfloat16 and maps.holds(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes())
+               for p in stored)
+    ref = copy.deepcopy(flux_dev.transformer).to(torch.bfloat16).float()
+    g = torch.Generator().manual_seed(0)
+    cfg = model.config
+    feed = dict(hidden_states=torch.randn(1, 16, cfg.in_channels, generator=g),
+                encoder_hidden_states=torch.randn(1, 8, cfg.joint_attention_dim, generator=g),
+                pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=g),
+                timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3),
+                txt_ids=torch.zeros(8, 3), return_dict=False)
+    with torch.no_grad():
+        got, want = model(**feed)[0], ref(**feed)[0]
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert all(p.dtype == torch.bfloat16 for p in stored)

@@ -20,6 +20,7 @@ import torch
 from sd_accel.core import CheckpointError
 from sd_accel.models.checkpoint import Shapes, read_shapes
 from sd_accel.models.families import get_family, load_family_configs, materialize
+from sd_accel.models.mapped_file import default_dtype, file_dtype
 from sd_accel.models.text_files import find_files
 
 MARKER = "double_blocks.0.img_attn.qkv.weight"
@@ -151,7 +152,7 @@ def load_flux(path: Path, shapes: Shapes, parts: dict[str, str | Path] | None = 
     configs["transformer/config.json"] = transformer_config(configs["transformer/config.json"], shapes, prefix)
     configs["vae/config.json"] = vae_config(configs["vae/config.json"], read_shapes(files["vae"]))
     folder = materialize(configs)
-    dtype = torch_dtype or torch.float32
+    dtype = torch_dtype or default_dtype(file_dtype(path, prefix + MARKER))
     transformer = load_transformer(path, configs["transformer/config.json"], prefix, dtype)
     try:
         vae = diffusers.AutoencoderKL.from_single_file(str(files["vae"]), config=str(folder), subfolder="vae",

@@ -267,6 +267,11 @@ def load_pipeline(
     (returned as is). SD 2.x single files are taken as v-prediction (768) unless a WebUI-style
     ``.yaml`` beside the file or ``prediction_type="epsilon"`` says otherwise.
 
+    ``torch_dtype``: the pipeline's dtype; by default float32, except for FLUX.1 and SD3 / SD3.5
+    files stored in 16 bits or fp8, which load in bf16 (in float32 FLUX.1 would be 48 GB). Their
+    transformer's weights stay on the file's memory mapping in the file's own dtype, each layer
+    computing in the pipeline's (:mod:`sd_accel.models.stored_dtype`).
+
     >>> pipe = load_pipeline("builtin:tiny-sd15")   # or "models/dreamshaper_8.safetensors"
     >>> pipe.sd_accel_model.family
     'sd15'

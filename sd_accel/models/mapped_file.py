@@ -105,6 +105,22 @@ def open_mapped(path: Path | str) -> MappedFile:
     return MappedFile(path)
 
 
+def file_dtype(path: Path | str, key: str) -> torch.dtype:
+    """The dtype ``key`` is stored in, in the safetensors file ``path`` (its header only)."""
+    with open_mapped(path) as f:
+        name = f.header[key]["dtype"]
+    if name not in _DTYPES:
+        raise CheckpointError(f"{Path(path).name}: {key} is stored as {name}, which sd-accel does not read")
+    return _DTYPES[name]
+
+
+def default_dtype(stored: torch.dtype) -> torch.dtype:
+    """The pipeline dtype a transformer file stored in ``stored`` loads in when none is asked:
+    float32 for a float32 file, bf16 for anything narrower (a bf16 FLUX.1 in float32 is 48 GB, and
+    its T5 built in float32 19 GB)."""
+    return torch.float32 if stored in (torch.float32, torch.float64) else torch.bfloat16
+
+
 Rename = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
 
@@ -114,10 +130,11 @@ def model_on_file(cls, config: dict[str, Any], path: Path, prefix: str, rename: 
     file's tensors under ``prefix`` as ``rename(name, tensor)`` names them (views: a fused q/k/v
     split by ``chunk`` stays on the mapping), left on the file's mapping: a tensor already in
     ``dtype`` costs no memory of its own until used (FLUX.1's 24 GB would not fit a 24 GB machine
-    copied); fp8 tensors stay fp8 there, each layer computing in ``dtype``
-    (:mod:`sd_accel.models.fp8_storage`); others are cast one by one. Every weight the
+    copied); fp8 and 16-bit tensors in a pipeline of another dtype stay as stored there too, each
+    layer computing in ``dtype`` (:mod:`sd_accel.models.stored_dtype`); float32 ones in a 16-bit
+    pipeline are cast one by one. Every weight the
     architecture has must come from the file (``what`` names it in the error)."""
-    from sd_accel.models.fp8_storage import FP8, compute_in
+    from sd_accel.models.stored_dtype import compute_in, kept
 
     with torch.device("meta"):
         model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
@@ -126,7 +143,7 @@ def model_on_file(cls, config: dict[str, Any], path: Path, prefix: str, rename: 
         for key in f.keys():
             if key.startswith(prefix):
                 for name, tensor in rename(key[len(prefix):], f[key]):
-                    state[name] = tensor if tensor.dtype in FP8 else tensor.to(dtype)
+                    state[name] = tensor if kept(tensor.dtype, dtype) else tensor.to(dtype)
     expected = set(model.state_dict())
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -137,4 +154,4 @@ def model_on_file(cls, config: dict[str, Any], path: Path, prefix: str, rename: 
     return model.eval()
 
 
-__all__ = ["MappedFile", "model_on_file", "open_mapped"]
+__all__ = ["MappedFile", "default_dtype", "file_dtype", "model_on_file", "open_mapped"]

@@ -21,6 +21,7 @@ import torch
 from sd_accel.core import CheckpointError
 from sd_accel.models.checkpoint import Shapes, read_shapes
 from sd_accel.models.families import get_family, load_family_configs, materialize
+from sd_accel.models.mapped_file import default_dtype, file_dtype
 from sd_accel.models.text_files import find_files, load_clip, load_t5, vae_config
 
 MARKER = "joint_blocks.0.x_block.attn.qkv.weight"
@@ -146,7 +147,7 @@ def load_sd3(path: Path, shapes: Shapes, parts: dict[str, str | Path] | None = N
     vae_file, vae_prefix = (files["vae"], "") if "vae" in files else (path, VAE_PREFIX)
     configs["vae/config.json"] = vae_config(configs["vae/config.json"], read_shapes(vae_file), vae_prefix)
     folder = materialize(configs)
-    dtype = torch_dtype or torch.float32
+    dtype = torch_dtype or default_dtype(file_dtype(path, prefix + MARKER))
     transformer = load_transformer(path, configs["transformer/config.json"], prefix, dtype)
     try:
         vae = diffusers.AutoencoderKL.from_single_file(str(vae_file), config=str(folder), subfolder="vae",

@@ -1,8 +1,10 @@
-"""fp8 weights (a ``flux1-schnell-fp8-e4m3fn.safetensors``) kept as they are in the file, on its
-memory mapping, with each layer computing in the pipeline's dtype.
+"""Weights kept in the dtype their file stores them in (fp8 in a
+``flux1-schnell-fp8-e4m3fn.safetensors``, bf16 or fp16 in a float32 or other 16-bit pipeline), on
+the file's memory mapping, with each layer computing in the pipeline's dtype.
 
-Cast to bf16 when loaded, FLUX.1's 11.9B fp8 weights become 24 GB of anonymous memory: over a 24 GB
-machine. Kept in fp8 on the file's mapping they cost nothing until used: an engine build converts
+Cast when loaded, FLUX.1's 11.9B fp8 weights become 24 GB of bf16 in anonymous memory (its bf16
+file in a float32 pipeline: 48 GB): over a 24 GB machine. Kept as stored, on the file's mapping,
+they cost nothing until used: an engine build converts
 one segment at a time (:func:`sd_accel.onnx.export.fp32_on` gives the mapped fp8 back after), and a
 torch forward (the fallback, the reference a build checks against) casts one layer's own weights
 to the compute dtype just before that layer runs and puts the mapped fp8 back right after: one
@@ -17,13 +19,21 @@ from __future__ import annotations
 import torch
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_NARROW = (*FP8, torch.float16, torch.bfloat16)
+
+
+def kept(stored: torch.dtype, compute: torch.dtype) -> bool:
+    """Whether a weight stored as ``stored`` stays so in a pipeline computing in ``compute``:
+    fp8 always, a 16-bit float when the pipeline's dtype is another float (never an up-cast or a
+    cross-cast copy at load; a float32 file in a 16-bit pipeline is cast, which halves it)."""
+    return stored != compute and stored in _NARROW and compute.is_floating_point
 
 
 def _hook_class():
     from diffusers.hooks.layerwise_casting import LayerwiseCastingHook
 
     class MappedCastHook(LayerwiseCastingHook):
-        """Compute on a cast copy of the module's own fp8 tensors; the stored ones stay put."""
+        """Compute on a cast copy of the module's own stored tensors; the stored ones stay put."""
 
         def __init__(self, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
             super().__init__(storage_dtype, compute_dtype, non_blocking=False)
@@ -34,7 +44,7 @@ def _hook_class():
 
         def pre_forward(self, module: torch.nn.Module, *args, **kwargs):
             for name, t in (*module._parameters.items(), *module._buffers.items()):
-                if t is not None and t.dtype in FP8:
+                if t is not None and t.dtype != self.compute_dtype and t.dtype in _NARROW:
                     self.stored[name] = t.data
                     t.data = t.data.to(self.compute_dtype)
             return args, kwargs
@@ -52,21 +62,23 @@ def _hook_class():
 
 
 def compute_in(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
-    """Hook every submodule of ``model`` holding fp8 tensors of its own so that it computes in
-    ``compute_dtype``; returns how many were hooked. Modules without fp8 tensors are untouched."""
+    """Hook every submodule of ``model`` holding tensors of its own kept in their stored dtype
+    (:func:`kept`) so that it computes in ``compute_dtype``; returns how many were hooked. Other
+    modules are untouched."""
     from diffusers.hooks import HookRegistry
 
     cls = _hook_class()
     hooked = 0
     for module in model.modules():
         own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
-        if not any(t.dtype in FP8 for t in own):
+        stored = [t.dtype for t in own if kept(t.dtype, compute_dtype)]
+        if not stored:
             continue
-        storage = next(t.dtype for t in own if t.dtype in FP8)
+        storage = stored[0]
         HookRegistry.check_if_exists_or_initialize(module).register_hook(cls(storage, compute_dtype),
                                                                          "layerwise_casting")
         hooked += 1
     return hooked
 
 
-__all__ = ["FP8", "compute_in"]
+__all__ = ["FP8", "compute_in", "kept"]
