@@ -73,10 +73,12 @@ def test_fp8_t5_is_read_without_a_float32_model(t5_fp8_file):
     params = out["params"]
     assert params > 2.3e8 and out["dtype"] == "torch.bfloat16" and out["finite"]
     assert out["q0"] == pytest.approx(q0)  # the file's weights, not an initialisation
-    # the bf16 model and 40% more (2.8 bytes a parameter, 0.61 GiB): measured 0.51 GiB; the casts'
+    # the bf16 model and 40% more (2.8 bytes a parameter, 0.61 GiB): measured 0.51 GiB copied into
+    # bf16, 0.35 GiB with the fp8 weights left on the file's mapping (load and one forward); the casts'
     # freed buffers kept by malloc made it 0.76 GiB (T5-XXL's load: 4.6 GB more), a float32 model
     # built first 1.00 GiB
     bound = params * 2 * 1.4
+    print(f"loading and one forward grew the process by {out['grew'] / 2**30:.2f} GiB")
     assert out["grew"] < bound, f"loading grew the process by {out['grew'] / 2**30:.2f} GiB (bound {bound / 2**30:.2f})"
 
 
@@ -107,22 +109,23 @@ PAGED = textwrap.dedent("""
         got = model(ids).last_hidden_state
     trim_heap()
     print(json.dumps({"paged": paged, "loaded": loaded, "after_page": after_page, "after_run": rss(),
-                      "same": bool(torch.equal(got, want)), "spill": os.listdir(Path(sys.argv[2]) / ".spill")}))
+                      "same": bool(torch.equal(got, want)), "spill": os.listdir(Path(sys.argv[2]) / ".spill") if (Path(sys.argv[2]) / ".spill").exists() else []}))
 """)
 
 
 def test_a_big_text_encoder_is_paged_between_prompts(t5_fp8_file, tmp_path):
-    """T5 paged (``SD_ACCEL_PAGED_ENCODERS``, here from 0.3 GiB): its bf16 weights (0.47 GB) leave
-    resident memory, a prompt's encoding pages them in one layer at a time and hands them back,
-    and it computes exactly what it did. Small encoders are left alone."""
+    """T5 paged (``SD_ACCEL_PAGED_ENCODERS``, here from 0.2 GiB): its fp8 weights, left on the
+    file's mapping (0.22 GiB; the embedding table is bf16), leave resident memory, a prompt's
+    encoding pages them in one block at a time and hands them back, and it computes exactly what
+    it did; nothing is spilled. Small encoders are left alone."""
     path, _ = t5_fp8_file
-    env = dict(os.environ, SD_ACCEL_PAGED_ENCODERS="0.3")
+    env = dict(os.environ, SD_ACCEL_PAGED_ENCODERS="0.2")
     proc = subprocess.run([sys.executable, "-c", PAGED, str(path), str(tmp_path)], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["paged"] == ["text_encoder_3"] and out["same"]
     assert out["spill"] == []  # the spill file is unlinked once mapped: nothing left behind
-    weights = 0.44 * 2**30  # bf16 bytes of the 235M parameters
+    weights = 0.22 * 2**30  # fp8 bytes of the 235M parameters
     assert out["loaded"] - out["after_page"] > 0.8 * weights, out
     assert out["after_run"] - out["after_page"] < 0.3 * weights, out  # one layer at a time, handed back

@@ -35,47 +35,53 @@ def _hook_class():
     class MappedCastHook(LayerwiseCastingHook):
         """Compute on a cast copy of the module's own stored tensors; the stored ones stay put."""
 
-        def __init__(self, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+        def __init__(self, storage_dtype: torch.dtype, compute_dtype: torch.dtype, recurse: bool) -> None:
             super().__init__(storage_dtype, compute_dtype, non_blocking=False)
-            self.stored: dict[str, torch.Tensor] = {}
+            self.recurse = recurse
+            self.stored: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
             return module  # (the base class casts the module to the storage dtype: it already is)
 
         def pre_forward(self, module: torch.nn.Module, *args, **kwargs):
-            for name, t in (*module._parameters.items(), *module._buffers.items()):
-                if t is not None and t.dtype != self.compute_dtype and t.dtype in _NARROW:
-                    self.stored[name] = t.data
+            for t in (*module.parameters(recurse=self.recurse), *module.buffers(recurse=self.recurse)):
+                if t.dtype != self.compute_dtype and t.dtype in _NARROW:
+                    self.stored.append((t, t.data))
                     t.data = t.data.to(self.compute_dtype)
             return args, kwargs
 
         def post_forward(self, module: torch.nn.Module, output):
-            for name, data in self.stored.items():
-                t = module._parameters.get(name)
-                t = t if t is not None else module._buffers.get(name)
-                if t is not None:
-                    t.data = data
-            self.stored = {}
+            for t, data in self.stored:
+                t.data = data
+            self.stored = []
             return output
 
     return MappedCastHook
 
 
-def compute_in(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
-    """Hook every submodule of ``model`` holding tensors of its own kept in their stored dtype
-    (:func:`kept`) so that it computes in ``compute_dtype``; returns how many were hooked. Other
-    modules are untouched."""
+def compute_in(model: torch.nn.Module, compute_dtype: torch.dtype, blocks: tuple[str, ...] = ()) -> int:
+    """Hook the submodules of ``model`` holding tensors kept in their stored dtype (:func:`kept`)
+    so that they compute in ``compute_dtype``; returns how many were hooked. A module whose class
+    is named in ``blocks`` is hooked as a whole (every tensor under it cast for its forward: T5's
+    feed-forward converts its input to ``wo.weight``'s dtype before ``wo`` runs, so a per-layer
+    hook would see fp8 activations); any other module with kept tensors of its own, alone.
+    Modules without kept tensors are untouched."""
     from diffusers.hooks import HookRegistry
 
     cls = _hook_class()
     hooked = 0
+    covered: set[int] = set()
     for module in model.modules():
-        own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        if id(module) in covered:
+            continue
+        whole = type(module).__name__ in blocks
+        if whole:
+            covered.update(id(m) for m in module.modules())
+        own = [*module.parameters(recurse=whole), *module.buffers(recurse=whole)]
         stored = [t.dtype for t in own if kept(t.dtype, compute_dtype)]
         if not stored:
             continue
-        storage = stored[0]
-        HookRegistry.check_if_exists_or_initialize(module).register_hook(cls(storage, compute_dtype),
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(cls(stored[0], compute_dtype, whole),
                                                                          "layerwise_casting")
         hooked += 1
     return hooked

@@ -141,14 +141,18 @@ def release(module: torch.nn.Module) -> int:
 def hand_back_hooks(module: torch.nn.Module, dropper: PageDropper) -> list:
     """Forward hooks on each submodule of ``module`` with tensors of its own that hand their
     file-backed pages to ``dropper`` right after its forward; the caller removes them (or keeps
-    them: :mod:`sd_accel.runtime.paged_encoders`)."""
+    them: :mod:`sd_accel.runtime.paged_encoders`). A block computing on cast copies of its stored
+    weights (``models.stored_dtype``: diffusers' hook registry on it) hands back every tensor
+    under it after its forward: while its layers run, their weights are the copies."""
 
     def hand_back(mod: torch.nn.Module, args, output) -> None:
-        for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)):
+        whole = hasattr(mod, "_diffusers_hook")
+        for t in (*mod.parameters(recurse=whole), *mod.buffers(recurse=whole)):
             dropper(t)
 
     return [m.register_forward_hook(hand_back) for m in module.modules()
-            if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None]
+            if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None
+            or hasattr(m, "_diffusers_hook")]
 
 
 @contextlib.contextmanager
