@@ -1,11 +1,13 @@
 """Big text encoders kept out of resident memory between prompts (SD3.5's and FLUX.1's T5-XXL).
 
-T5-XXL is 9.5 GB in bf16 (an fp8 file cast at load: anonymous memory), runs once per prompt, and
-sat resident beside the transformer for the whole generation, and beside a transformer's build
-(which peaked at 20.3 GiB for SD3.5 Medium on a 24 GB machine with it held). Paged, its weights
-live in a file mapping (:func:`sd_accel.runtime.weights.park`: memory-mapped files stay where
-they are, anonymous weights go to a spill file once) and each layer hands its pages back right
-after its forward: a prompt's encoding holds about one block at a time and reads the weights from
+T5-XXL is 9.5 GB in bf16 (4.8 GB as an fp8 file, whose weights now stay fp8 on the file's
+mapping: ``models.text_files.fill(keep_fp8=True)``), runs once per prompt, and sat resident beside
+the transformer for the whole generation, and beside a transformer's build (which peaked at
+20.3 GiB for SD3.5 Medium on a 24 GB machine with it held). Paged, its weights live in a file
+mapping (:func:`sd_accel.runtime.weights.park`: memory-mapped files stay where they are,
+anonymous weights, a 16-bit file's cast, go to a spill file once) and each layer (each block,
+where a block computes on cast copies of its fp8 weights) hands its pages back right after its
+forward: a prompt's encoding holds about one block at a time and reads the weights from
 disk again (what it costs is measured in ``scripts/BENCHMARKS-full-size.md``). Values never
 change: the encoder computes exactly what it did.
 
