@@ -225,3 +225,43 @@ def test_int4_weights_on_openvino_judged_by_the_picture(tmp_path, monkeypatch, s
         build_engines(pipe, profiles=[profile], backend="openvino", precision="int4", components=["transformer"],
                       engine_dir=tmp_path / "d", progress=False)
     assert not list((tmp_path / "d").rglob("engine.bin"))  # nothing kept
+
+
+def test_a_chain_too_big_for_memory_runs_one_segment_at_a_time(tmp_path, monkeypatch):
+    """``SD_ACCEL_CHAIN_STREAMING``: ``auto`` loads every segment while they fit (80% of the
+    memory available) and streams them, one loaded at a time for each call, when they would not
+    (FLUX.1's int4 chain on a 24 GB machine: out of memory at 1024 px loaded whole); ``on`` /
+    ``off`` force it. The streamed chain computes what the loaded one does."""
+    from sd_accel.backends import chain as chain_module
+    from sd_accel.backends.chain import StreamingChainRunner, stream_chain
+
+    record = _build("builtin:tiny-flux-dev", "onnxruntime", tmp_path, monkeypatch, segments=True)
+    be = get_backend("onnxruntime", cache_root=tmp_path)
+    folder, files = tmp_path / record.key.name, list(record.files)
+    shapes = {k: tuple(map(tuple, v)) for k, v in record.shapes.items()}
+    size = sum((folder / f).stat().st_size for f in files)
+    monkeypatch.delenv(chain_module.STREAMING_ENV, raising=False)
+    monkeypatch.setattr("sd_accel.device.available_memory", lambda: 100 * size)
+    assert not stream_chain(be, folder, files)
+    monkeypatch.setattr("sd_accel.device.available_memory", lambda: size)  # 1.5x the files would not fit
+    assert stream_chain(be, folder, files)
+    streamed = load_engine(be, folder, files, shapes, streaming=None)
+    monkeypatch.setenv(chain_module.STREAMING_ENV, "off")
+    loaded = load_engine(be, folder, files, shapes, streaming=None)
+    assert isinstance(streamed, StreamingChainRunner) and isinstance(loaded, ChainRunner)
+    monkeypatch.setenv(chain_module.STREAMING_ENV, "on")
+    assert stream_chain(be, folder, files)
+    monkeypatch.setenv(chain_module.STREAMING_ENV, "sometimes")
+    with pytest.raises(InvalidValue, match="SD_ACCEL_CHAIN_STREAMING"):
+        stream_chain(be, folder, files)
+    spec = _spec("builtin:tiny-flux-dev")
+    feed = spec.sample_feed({k: v[1] for k, v in spec.dim_ranges(DYNAMIC).items()}, seed=3)
+    try:
+        got, want = streamed.infer(feed)["latent"].clone(), loaded.infer(feed)["latent"].clone()
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+        half = len(loaded.links) // 2  # the step cache's partial runs
+        a, b = streamed.run_links(feed, 0, half), loaded.run_links(feed, 0, half)
+        assert set(a) == set(b)
+    finally:
+        streamed.close()
+        loaded.close()

@@ -11,13 +11,22 @@ segments in turn, each fed the call's inputs and the tensors the segments before
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sd_accel.core import EngineError, EngineFault, ShapeRanges, covers
+from sd_accel.core import EngineError, EngineFault, InvalidValue, ShapeRanges, covers
+
+log = logging.getLogger("sd_accel")
 
 CHAIN_FILE = "segments.json"
+STREAMING_ENV = "SD_ACCEL_CHAIN_STREAMING"
+# What a loaded segment holds while it runs, per byte of its engine files, where its backend does
+# not say (``RUN_BYTES_PER_ENGINE_BYTE``). OpenVINO's int4 FLUX.1 chain: 17.9 GiB at 512 px for
+# 6.97 GiB of files, and out of memory at 1024 px on a 24 GB machine (scripts/BENCHMARKS-full-size.md).
+DEFAULT_RUN_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -62,17 +71,21 @@ def is_chain(files: Sequence[str]) -> bool:
     return CHAIN_FILE in files
 
 
-def load_engine(backend, engine_dir: Path, files: Sequence[str], shapes: ShapeRanges, streaming: bool = False):
+def load_engine(backend, engine_dir: Path, files: Sequence[str], shapes: ShapeRanges,
+                streaming: bool | None = False):
     """The runner of an engine: ``backend.load`` for one engine, a :class:`ChainRunner` of the
     backend's runners for a chain (every segment loaded; each maps its own weights).
 
     ``streaming``: a chain loads each segment when its turn comes and closes it after
     (:class:`StreamingChainRunner`): one segment's weights in memory at a time, at the cost of a
     load per segment per call. What a build's check against torch runs, so that an engine is
-    checked on a machine that holds only a part of it (FLUX.1 in fp32: 44 GB)."""
+    checked on a machine that holds only a part of it (FLUX.1 in fp32: 44 GB). ``None``: decide
+    by :func:`stream_chain` (what the pipeline's engines do)."""
     if not is_chain(files):
         return backend.load(engine_dir, list(files), shapes)
     links = read_chain(engine_dir)
+    if streaming is None:
+        streaming = stream_chain(backend, Path(engine_dir), files)
     if streaming:
         return StreamingChainRunner(backend, Path(engine_dir), links, shapes)
     runners: list = []
@@ -84,6 +97,32 @@ def load_engine(backend, engine_dir: Path, files: Sequence[str], shapes: ShapeRa
             runner.close()
         raise
     return ChainRunner(runners, links, shapes)
+
+
+def stream_chain(backend, engine_dir: Path, files: Sequence[str]) -> bool:
+    """Whether a chained engine runs one segment at a time (``SD_ACCEL_CHAIN_STREAMING``: ``on``,
+    ``off``, or ``auto``, the default: when every segment loaded at once would hold more than 80%
+    of the memory available now, estimated as the engine's files times the backend's
+    ``RUN_BYTES_PER_ENGINE_BYTE``). Streaming costs a load per segment per call (FLUX.1's 57 int4
+    segments on OpenVINO: about 1 s each) and saves all but one segment's memory."""
+    from sd_accel.device import available_memory
+
+    value = os.environ.get(STREAMING_ENV, "auto").strip().lower()
+    if value in ("on", "1", "yes", "true"):
+        return True
+    if value in ("off", "0", "no", "false"):
+        return False
+    if value not in ("", "auto"):
+        raise InvalidValue(f"{STREAMING_ENV}={value!r}: use auto, on or off")
+    size = sum((Path(engine_dir) / f).stat().st_size for f in files if (Path(engine_dir) / f).is_file())
+    need = size * float(getattr(backend, "RUN_BYTES_PER_ENGINE_BYTE", DEFAULT_RUN_FACTOR))
+    free = available_memory()
+    if free is None or need <= 0.8 * free:
+        return False
+    log.info("%s: its segments would hold about %.1f GB loaded together, %.1f GB is available: they load one "
+             "at a time for each call (%s=off keeps them loaded)", Path(engine_dir).name, need / 1e9, free / 1e9,
+             STREAMING_ENV)
+    return True
 
 
 class ChainRunner:
@@ -146,12 +185,16 @@ class StreamingChainRunner:
         self.backend, self.engine_dir, self.links, self.shapes = backend, engine_dir, list(links), shapes
 
     def infer(self, feed: dict) -> dict:
+        _check_covers(self.shapes, feed)
+        state = self.run_links(feed, 0, len(self.links))
+        return {name: state[given] for name, given in zip(self.links[-1].outputs, self.links[-1].gives, strict=True)}
+
+    def run_links(self, state: dict, start: int, stop: int) -> dict:
+        """As :meth:`ChainRunner.run_links`, each segment loaded for its turn (its outputs copied)."""
         from sd_accel.pages import trim_heap
 
-        _check_covers(self.shapes, feed)
-        state = dict(feed)
-        out: dict = {}
-        for link in self.links:
+        state = dict(state)
+        for link in self.links[start:stop]:
             runner = self.backend.load(self.engine_dir / link.folder, list(link.files), link.shapes)
             try:
                 out = {name: t.clone() for name, t in runner.infer({n: state[n] for n in link.inputs}).items()}
@@ -160,7 +203,7 @@ class StreamingChainRunner:
                 del runner
                 trim_heap()  # the segment's weights, freed by the runtime but kept by malloc
             state.update({given: out[name] for name, given in zip(link.outputs, link.gives, strict=True)})
-        return {name: out[name] for name in self.links[-1].outputs}
+        return state
 
     def close(self) -> None:
         return None

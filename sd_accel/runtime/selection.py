@@ -112,7 +112,7 @@ class EngineHandle:
         if self.runner is None:
             self.cache.verify(self.record, self.arch, self.backend_version)
             self.runner = load_engine(self.backend, self.cache.root / self.name, list(self.record.files),
-                                      self.shapes)
+                                      self.shapes, streaming=None)
             self.cache.touch(self.record.key)
         return self.runner
 
