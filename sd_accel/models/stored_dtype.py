@@ -4,11 +4,11 @@ the file's memory mapping, with each layer computing in the pipeline's dtype.
 
 Cast when loaded, FLUX.1's 11.9B fp8 weights become 24 GB of bf16 in anonymous memory (its bf16
 file in a float32 pipeline: 48 GB): over a 24 GB machine. Kept as stored, on the file's mapping,
-they cost nothing until used: an engine build converts
-one segment at a time (:func:`sd_accel.onnx.export.fp32_on` gives the mapped fp8 back after), and a
-torch forward (the fallback, the reference a build checks against) casts one layer's own weights
-to the compute dtype just before that layer runs and puts the mapped fp8 back right after: one
-layer's bf16 copy at a time. The hook is diffusers' layerwise-casting hook under its own name, so
+they cost nothing until used: an engine build converts one segment at a time
+(:func:`sd_accel.onnx.export.fp32_on` gives the mapped weights back after), and a torch forward
+(the fallback, the reference a build checks against) casts one layer's own weights (one block's,
+for the classes named in ``blocks``) to the compute dtype just before it runs and puts the mapped
+ones back right after: one layer's copy at a time. The hook is diffusers' layerwise-casting hook under its own name, so
 ``model.dtype`` reports the compute dtype (diffusers asks the hook), as with
 ``enable_layerwise_casting``; unlike that one it never writes a new fp8 copy after a forward (that
 would move the weights off the file into anonymous memory, 12 GB for FLUX.1).
