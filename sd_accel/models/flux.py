@@ -20,7 +20,7 @@ import torch
 from sd_accel.core import CheckpointError
 from sd_accel.models.checkpoint import Shapes, read_shapes
 from sd_accel.models.families import get_family, load_family_configs, materialize
-from sd_accel.models.mapped_file import default_dtype, file_dtype
+from sd_accel.models.mapped_file import default_dtype, file_dtype, swap_scale_shift
 from sd_accel.models.text_files import find_files
 
 MARKER = "double_blocks.0.img_attn.qkv.weight"
@@ -97,8 +97,7 @@ def to_diffusers(name: str, tensor: torch.Tensor, hidden: int) -> list[tuple[str
         if name.startswith(old):
             return [(new + name[len(old):], tensor)]
     if name.startswith("final_layer.adaLN_modulation.1."):
-        shift, scale = tensor.chunk(2, dim=0)  # diffusers' AdaLayerNormContinuous takes scale first
-        return [("norm_out.linear." + name.rsplit(".", 1)[1], torch.cat([scale, shift]))]
+        return [("norm_out.linear." + name.rsplit(".", 1)[1], swap_scale_shift(tensor))]
     match = re.match(r"(double|single)_blocks\.(\d+)\.(.+)", name)
     if match is None:
         raise CheckpointError(f"{name}: not a FLUX.1 transformer weight sd-accel knows")

@@ -121,6 +121,13 @@ def default_dtype(stored: torch.dtype) -> torch.dtype:
     return torch.float32 if stored in (torch.float32, torch.float64) else torch.bfloat16
 
 
+def swap_scale_shift(tensor: torch.Tensor) -> torch.Tensor:
+    """A final modulation's (shift, scale) halves as diffusers' ``AdaLayerNormContinuous`` takes
+    them, scale first (both families' original layouts store shift first). A copy, not a view."""
+    shift, scale = tensor.chunk(2, dim=0)
+    return torch.cat([scale, shift])
+
+
 Rename = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
 
@@ -154,4 +161,4 @@ def model_on_file(cls, config: dict[str, Any], path: Path, prefix: str, rename: 
     return model.eval()
 
 
-__all__ = ["MappedFile", "default_dtype", "file_dtype", "model_on_file", "open_mapped"]
+__all__ = ["MappedFile", "default_dtype", "file_dtype", "model_on_file", "open_mapped", "swap_scale_shift"]

@@ -21,7 +21,7 @@ import torch
 from sd_accel.core import CheckpointError
 from sd_accel.models.checkpoint import Shapes, read_shapes
 from sd_accel.models.families import get_family, load_family_configs, materialize
-from sd_accel.models.mapped_file import default_dtype, file_dtype
+from sd_accel.models.mapped_file import default_dtype, file_dtype, swap_scale_shift
 from sd_accel.models.text_files import find_files, load_clip, load_t5, vae_config
 
 MARKER = "joint_blocks.0.x_block.attn.qkv.weight"
@@ -83,17 +83,12 @@ _QKV = {"x_block.attn.qkv.": ("attn.to_q.", "attn.to_k.", "attn.to_v."),
         "x_block.attn2.qkv.": ("attn2.to_q.", "attn2.to_k.", "attn2.to_v.")}
 
 
-def _swap_scale_shift(tensor: torch.Tensor) -> torch.Tensor:
-    shift, scale = tensor.chunk(2, dim=0)  # diffusers' AdaLayerNormContinuous takes scale first
-    return torch.cat([scale, shift])
-
-
 def to_diffusers(name: str, tensor: torch.Tensor, last: int) -> list[tuple[str, torch.Tensor]]:
     """One MMDiT tensor as diffusers' ``SD3Transformer2DModel`` names it (fused q/k/v split as
     views, the final and the last block's context modulation's shift and scale swapped); ``last``
     is the index of the last joint block (its context side has no attention output nor MLP)."""
     if name.startswith("final_layer.adaLN_modulation.1."):
-        return [("norm_out.linear." + name.rsplit(".", 1)[1], _swap_scale_shift(tensor))]
+        return [("norm_out.linear." + name.rsplit(".", 1)[1], swap_scale_shift(tensor))]
     for old, new in _GLOBAL:
         if name.startswith(old):
             return [(new + name[len(old):], tensor)]
@@ -107,7 +102,7 @@ def to_diffusers(name: str, tensor: torch.Tensor, last: int) -> list[tuple[str, 
             suffix = rest[len(old):]
             return [(block + n + suffix, t) for n, t in zip(names, tensor.chunk(3, dim=0), strict=True)]
     if rest.startswith("context_block.adaLN_modulation.1."):
-        value = _swap_scale_shift(tensor) if index == last else tensor
+        value = swap_scale_shift(tensor) if index == last else tensor
         return [(block + "norm1_context.linear." + rest.rsplit(".", 1)[1], value)]
     for old, new in _BLOCK:
         if rest.startswith(old):
