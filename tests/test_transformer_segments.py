@@ -227,41 +227,84 @@ def test_int4_weights_on_openvino_judged_by_the_picture(tmp_path, monkeypatch, s
     assert not list((tmp_path / "d").rglob("engine.bin"))  # nothing kept
 
 
-def test_a_chain_too_big_for_memory_runs_one_segment_at_a_time(tmp_path, monkeypatch):
-    """``SD_ACCEL_CHAIN_STREAMING``: ``auto`` loads every segment while they fit (80% of the
-    memory available) and streams them, one loaded at a time for each call, when they would not
-    (FLUX.1's int4 chain on a 24 GB machine: out of memory at 1024 px loaded whole); ``on`` /
-    ``off`` force it. The streamed chain computes what the loaded one does."""
+def test_a_chain_keeps_loaded_the_segments_that_fit_and_streams_the_rest(tmp_path, monkeypatch):
+    """``SD_ACCEL_CHAIN_STREAMING``: ``auto`` loads each segment on its first turn and keeps it
+    while the memory available after its run stays above the reserve, closing it otherwise, so
+    that a bigger shape closes what no longer fits (FLUX.1's int4 chain on a 24 GB machine: 17.9 GiB
+    loaded whole at 512 px, out of memory at 1024 px); ``on`` streams every segment, ``off`` loads
+    them all at once. Each way computes what the loaded chain does."""
     from sd_accel.backends import chain as chain_module
-    from sd_accel.backends.chain import StreamingChainRunner, stream_chain
+    from sd_accel.backends.chain import KEEP_ALL, KEEP_FIT, KEEP_NONE, chain_keeping, chain_reserve
 
     record = _build("builtin:tiny-flux-dev", "onnxruntime", tmp_path, monkeypatch, segments=True)
     be = get_backend("onnxruntime", cache_root=tmp_path)
     folder, files = tmp_path / record.key.name, list(record.files)
     shapes = {k: tuple(map(tuple, v)) for k, v in record.shapes.items()}
-    size = sum((folder / f).stat().st_size for f in files)
+    loads: list[str] = []
+    real_load = be.load
+    monkeypatch.setattr(be, "load", lambda d, f, s: loads.append(d.name) or real_load(d, f, s))
     monkeypatch.delenv(chain_module.STREAMING_ENV, raising=False)
-    monkeypatch.setattr("sd_accel.device.available_memory", lambda: 100 * size)
-    assert not stream_chain(be, folder, files)
-    monkeypatch.setattr("sd_accel.device.available_memory", lambda: size)  # 1.5x the files would not fit
-    assert stream_chain(be, folder, files)
-    streamed = load_engine(be, folder, files, shapes, streaming=None)
+    monkeypatch.setenv(chain_module.RESERVE_ENV, "1")  # keep 1 GB available
+    assert chain_keeping(be) == KEEP_FIT and chain_reserve() == 10**9
+
+    class OnTheCard:  # a backend whose engines live on the card (TensorRT): host memory says nothing
+        engines_in_host_memory = False
+
+    assert chain_keeping(OnTheCard()) == KEEP_ALL
+    spec = _spec("builtin:tiny-flux-dev")
+    dims = spec.dim_ranges(DYNAMIC)
+    feed = spec.sample_feed({k: v[1] for k, v in dims.items()}, seed=3)
+    bigger = spec.sample_feed({k: v[2] for k, v in dims.items()}, seed=4)
+
     monkeypatch.setenv(chain_module.STREAMING_ENV, "off")
     loaded = load_engine(be, folder, files, shapes, streaming=None)
-    assert isinstance(streamed, StreamingChainRunner) and isinstance(loaded, ChainRunner)
+    n = len(loaded.links)
+    assert loaded.keep == KEEP_ALL and len(loads) == n and n >= 3  # every segment, at load
+    want, want_big = loaded.infer(feed)["latent"].clone(), loaded.infer(bigger)["latent"].clone()
+    loaded.close()
+
+    def close_to(got, ref):
+        return ((got - ref).norm() / ref.norm()).item() < 1e-5
+
     monkeypatch.setenv(chain_module.STREAMING_ENV, "on")
-    assert stream_chain(be, folder, files)
+    streamed = load_engine(be, folder, files, shapes, streaming=None)
+    loads.clear()
+    assert streamed.keep == KEEP_NONE and close_to(streamed.infer(feed)["latent"], want)
+    assert streamed.infer(feed)["latent"] is not None and len(loads) == 2 * n and streamed.streamed == n
+
+    # auto on a machine where 2 segments fit: those stay, the rest load for each call
+    monkeypatch.setenv(chain_module.STREAMING_ENV, "auto")
+    free = {"left": 2}
+
+    def available():  # read once after each segment's run
+        free["left"] -= 1
+        return 2 * 10**9 if free["left"] >= 0 else 10**8
+
+    monkeypatch.setattr("sd_accel.device.available_memory", available)
+    fit = load_engine(be, folder, files, shapes, streaming=None)
+    loads.clear()
+    assert fit.keep == KEEP_FIT and fit.streamed == n  # nothing loads before the first call
+    assert close_to(fit.infer(feed)["latent"], want) and len(loads) == n
+    assert sorted(fit.loaded) == [0, 1] and fit.streamed == n - 2
+    kept = dict(fit.loaded)
+    loads.clear()
+    free["left"] = 10**6  # memory to spare now: the kept ones stay, the others load and stay
+    assert close_to(fit.infer(feed)["latent"], want) and len(loads) == n - 2
+    assert all(fit.loaded[i] is runner for i, runner in kept.items()) and fit.streamed == 0
+    half = n // 2  # the step cache's partial runs
+    assert set(fit.run_links(feed, 0, half)) >= set(fit.links[half - 1].gives)
+    # a bigger shape takes what was available: each segment closes after its run
+    monkeypatch.setattr("sd_accel.device.available_memory", lambda: 10**8)
+    loads.clear()
+    assert close_to(fit.infer(bigger)["latent"], want_big) and loads == [] and fit.streamed == n
+    assert close_to(fit.infer(feed)["latent"], want) and len(loads) == n
+    fit.close()
+
     monkeypatch.setenv(chain_module.STREAMING_ENV, "sometimes")
     with pytest.raises(InvalidValue, match="SD_ACCEL_CHAIN_STREAMING"):
-        stream_chain(be, folder, files)
-    spec = _spec("builtin:tiny-flux-dev")
-    feed = spec.sample_feed({k: v[1] for k, v in spec.dim_ranges(DYNAMIC).items()}, seed=3)
-    try:
-        got, want = streamed.infer(feed)["latent"].clone(), loaded.infer(feed)["latent"].clone()
-        assert ((got - want).norm() / want.norm()).item() < 1e-5
-        half = len(loaded.links) // 2  # the step cache's partial runs
-        a, b = streamed.run_links(feed, 0, half), loaded.run_links(feed, 0, half)
-        assert set(a) == set(b)
-    finally:
-        streamed.close()
-        loaded.close()
+        chain_keeping(be)
+    monkeypatch.setenv(chain_module.RESERVE_ENV, "lots")
+    with pytest.raises(InvalidValue, match="SD_ACCEL_CHAIN_RESERVE_GB"):
+        chain_reserve()
+    monkeypatch.delenv(chain_module.RESERVE_ENV)
+    assert chain_reserve() >= 4 << 30

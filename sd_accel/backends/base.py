@@ -60,6 +60,9 @@ class Backend:
     # Whether it builds from the component's torch module (:meth:`build_module`) instead of an ONNX
     # export (:meth:`build`): build.py then exports nothing for it.
     takes_torch_module: bool = False
+    # Whether a loaded engine's weights and buffers live in host memory: a chained engine then keeps
+    # loaded the segments that fit there (sd_accel.backends.chain.chain_keeping). False: on the card.
+    engines_in_host_memory: bool = True
     # Whether its runners read the pipeline's live torch weights on every call (a compiled module):
     # a weight change then needs no refit and is never stale, and the weights stay where they are.
     reads_live_weights: bool = False

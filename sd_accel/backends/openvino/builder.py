@@ -158,10 +158,6 @@ class OpenVinoBackend(Backend):
     int8_weights_only = WEIGHTS_ONLY  # (a transformer built in segments: sd_accel.build_segments)
     patches_weights = True  # engine.bin holds the MatMul / Conv weights the compiled blob reads
     weights_files = (WEIGHTS_FILE,)  # the same bytes in every profile of one weight set: stored once
-    # What a loaded engine holds running, per byte of its files (the chain's streaming decision):
-    # the CPU plugin repacks compressed weights on first inference and keeps each infer request's
-    # buffers; an int4 FLUX.1 chain held 2.6x its files at 512 px and more at 1024 px.
-    RUN_BYTES_PER_ENGINE_BYTE = 3.0
 
     def info(self) -> BackendInfo:
         try:

@@ -234,10 +234,10 @@ class TensorRTBackend(Backend):
     name = "tensorrt"
     torch_device = "cuda"
     patches_weights = True  # trt.Refitter, for engines built refittable
-    # A chain's engines live on the card, not in the host memory the chain's streaming decision
-    # reads (sd_accel.backends.chain.stream_chain); an engine larger than the card streams its
+    # A chain's engines live on the card, not in the host memory by which a chain keeps its segments
+    # loaded (sd_accel.backends.chain.chain_keeping); an engine larger than the card streams its
     # weights itself (weight streaming, runner.py)
-    RUN_BYTES_PER_ENGINE_BYTE = 0.0
+    engines_in_host_memory = False
 
     def __init__(self, cache_root: Path | None = None, workspace_bytes: int = DEFAULT_WORKSPACE) -> None:
         self.cache_root = cache_root
