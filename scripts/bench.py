@@ -72,7 +72,7 @@ ENGINES = {f"{_SHORT.get(e.name, e.name)}-{p}": (e.name, p) for e in TABLE for p
 # is 1.4-1.8x faster than bf16, but at 20 steps it took the image from 40.7 to 35.8 dB PSNR
 # against torch fp32 (issue 31, BENCHMARKS.md): its per-decode gate passed it, the image did not.
 INT8_COMPONENTS: dict[str, tuple[str, ...]] = {}
-INT8_DEFAULT = ("unet",)
+INT8_DEFAULT = ("unet", "transformer")  # the denoiser, UNet or transformer (SD3 / SD3.5, FLUX.1); int4 rows alike
 SHARED_ONNX = "onnx-shared"
 # optimum-intel rows: variant -> scripts/bench_optimum.py --mode. They run in their own venv.
 OPTIMUM = {"optimum-intel-default": "default", "optimum-intel-hybrid-int8": "hybrid-int8"}
@@ -154,6 +154,12 @@ class BenchConfig:
     guidance_scale: float = 7.5
     tiny_vae: str = ""  # a TAESD folder that decodes instead of the model's VAE (every row)
     controlnet: str = ""  # a ControlNet folder every row runs (the controlnet recipe)
+    # The transformer families (SD3 / SD3.5, FLUX.1) at their real size (scripts/BENCHMARKS-full-size.md):
+    text_length: int = 0  # T5 tokens (``max_sequence_length``) of every row and engine; 0: the pipeline's default
+    max_size: int = 0  # engines built for sizes from the run's up to this (one engine for 512-1024 px); 0: the run's
+    components: str = ""  # comma list of the components engine rows build (empty: every one the pipeline has)
+    validate: bool = True  # False: engines are not checked against torch (FLUX.1 in fp32 does not fit in 24 GB)
+    warmup_steps: int = 2  # the untimed generation before the timed ones (first-call compiles, buffers)
 
     @property
     def cfg_rows(self) -> bool:
@@ -216,8 +222,9 @@ class _Timer:
 
     def __enter__(self) -> _Timer:
         self.unet_rows: set[int] = set()
-        self._handles.append(self._pipe.unet.register_forward_pre_hook(
-            lambda _m, args, kwargs: self.unet_rows.add(int((args[0] if args else kwargs["sample"]).shape[0])),
+        self._handles.append(denoiser(self._pipe).register_forward_pre_hook(
+            lambda _m, args, kwargs: self.unet_rows.add(int((args[0] if args else kwargs.get(
+                "sample", kwargs.get("hidden_states"))).shape[0])),
             with_kwargs=True))
         for name, module in _timed_modules(self._pipe):
             self._handles.append(module.register_forward_pre_hook(lambda *_a, _n=name: self._start(_n)))
@@ -257,11 +264,19 @@ class _Timer:
             v.clear()
 
 
+def denoiser(pipe):
+    """The module every step calls: the UNet, or the transformer of SD3 / SD3.5 and FLUX.1 (timed
+    under the ``unet`` keys, headed by its name in the table)."""
+    return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+
+
 def _timed_modules(pipe) -> list[tuple[str, Any]]:
-    """(timer name, module): both text encoders of SDXL count as CLIP (they run one after the other)."""
-    encoders = [m for m in (getattr(pipe, "text_encoder", None), getattr(pipe, "text_encoder_2", None)) if m is not None]
+    """(timer name, module): every text encoder counts as CLIP (SDXL's two, SD3's CLIPs and T5, FLUX.1's
+    CLIP and T5: they run one after the other, once per prompt)."""
+    encoders = [m for m in (getattr(pipe, f"text_encoder{n}", None) for n in ("", "_2", "_3")) if m is not None]
     net = getattr(pipe, "controlnet", None)
-    return [*(("clip", m) for m in encoders), ("unet", pipe.unet), *([("controlnet", net)] if net is not None else [])]
+    return [*(("clip", m) for m in encoders), ("unet", denoiser(pipe)),
+            *([("controlnet", net)] if net is not None else [])]
 
 
 def control_hint(size: tuple[int, int]):
@@ -276,6 +291,8 @@ def _generate(pipe, cfg: BenchConfig, steps: int):
 
     g = torch.Generator("cpu").manual_seed(cfg.seed)
     extra = {"image": control_hint((cfg.width, cfg.height))} if cfg.controlnet else {}
+    if cfg.text_length:
+        extra["max_sequence_length"] = cfg.text_length
     return pipe(cfg.prompt, height=cfg.height, width=cfg.width, num_inference_steps=steps, generator=g,
                 guidance_scale=cfg.guidance_scale, output_type="np", **extra).images[0]
 
@@ -404,8 +421,8 @@ def _engine_jobs(variant: str, available: Sequence[str] = ENGINE_COMPONENTS,
             return [(backend, create(backend).default_precision(), others), (backend, precision, ["unet_control"]),
                     (backend, precision, ["controlnet"])]
         return [(backend, precision, [*others, "unet_control"]), (backend, precision, ["controlnet"])]
-    if precision.startswith("int8"):
-        # the float components of an INT8 row: the same backend at its default float precision
+    if precision.startswith(("int8", "int4")):
+        # the float components of an INT8 (INT4) row: the same backend at its default float precision
         from sd_accel.backends.registry import create
 
         floats = create(backend).default_precision()
@@ -456,13 +473,28 @@ def build_row(cfg: BenchConfig, variant: str) -> dict[str, Any]:
     from sd_accel.build import engine_components
 
     pipe = load_model(cfg)
-    profile = dict(batch=1, height=cfg.height, width=cfg.width, **({} if cfg.cfg_rows else {"cfg": False}))
+    top = max(cfg.max_size, cfg.height, cfg.width)
+    cfg_rows = cfg.cfg_rows and "Flux" not in type(pipe).__name__  # FLUX.1 embeds its guidance: one row
+    profile = dict(batch=1, height=(cfg.height, top, top) if cfg.max_size else cfg.height,
+                   width=(cfg.width, top, top) if cfg.max_size else cfg.width,
+                   **({} if cfg_rows else {"cfg": False}), **({"text": cfg.text_length} if cfg.text_length else {}))
+    available = engine_components(pipe)
+    if cfg.components:
+        wanted = cfg.components.split(",")
+        unknown = [c for c in wanted if c not in available]
+        if unknown:
+            raise BenchError(f"--components {cfg.components}: the pipeline has no {', '.join(unknown)} (it has "
+                             f"{', '.join(available)})")
+        available = wanted
     start = time.perf_counter()
-    built_s, errors, fell_back = 0.0, {}, {}
-    for backend, precision, components in _engine_jobs(variant, engine_components(pipe), bool(cfg.controlnet)):
+    built_s, errors, fell_back, records_all = 0.0, {}, {}, []
+    for backend, precision, components in _engine_jobs(variant, available, bool(cfg.controlnet)):
+        if not components:
+            continue
+
         def build(p: str, backend: str = backend, components: list[str] = components) -> list:
             return build_engines(pipe, profiles=[profile], backend=backend, precision=p, components=components,
-                                 engine_dir=row_engine_dir(cfg, variant), progress=False)
+                                 engine_dir=row_engine_dir(cfg, variant), progress=False, validate=cfg.validate)
 
         try:
             records = build(precision)
@@ -477,12 +509,17 @@ def build_row(cfg: BenchConfig, variant: str) -> dict[str, Any]:
             instead = create(backend).default_precision() if precision.startswith("int8") else "fp32"
             fell_back["controlnet"] = f"{instead} ({precision} missed its check: {str(exc).split(': ', 1)[-1][:160]})"
             records = build(instead)
+        records_all += records
         for r in records:
             built_s += float(getattr(r, "build_seconds", 0.0) or 0.0)
             if r.validation:
                 errors[f"{r.key.component}.{r.key.precision}"] = r.validation.get("rel_l2")
+    folder = Path(row_engine_dir(cfg, variant))
+    # the row's own engines (a folder linked in may hold other precisions' too) and the ONNX
+    # exports they come from, shared by the engine rows
+    disk = _du_gb(*(folder / r.key.name for r in records_all), Path(cfg.engine_dir) / SHARED_ONNX)
     return {"build_wall_s": time.perf_counter() - start, "build_s": built_s, "build_peak_ram_gb": _peak_ram_gb(),
-            "engine_rel_l2": errors, **({"precision_fallbacks": fell_back} if fell_back else {})}
+            "engine_rel_l2": errors, "disk_gb": disk, **({"precision_fallbacks": fell_back} if fell_back else {})}
 
 
 def _accelerated(cfg: BenchConfig, variant: str):
@@ -494,18 +531,47 @@ def _accelerated(cfg: BenchConfig, variant: str):
     start = time.perf_counter()
     pipe = load_model(cfg)
     cuda = cfg.device.startswith("cuda")
+    stored = denoiser(pipe).dtype  # a transformer family's 16-bit / fp8 file loads in bf16 (load_pipeline)
     if variant == "diffusers":
-        pipe.to(cfg.device, torch.float16 if cuda else torch.float32)
+        if getattr(pipe, "transformer", None) is None or cuda:
+            pipe.to(cfg.device, torch.float16 if cuda else torch.float32)
+        else:  # SD3 / FLUX.1: in the dtype it loads in (bf16 from a 16-bit file: fp32 FLUX.1 is 48 GB)
+            _hand_back_if_big(pipe)
     elif variant == "sd-accel-torch":
         accelerate(pipe, AccelConfig(device=cfg.device, vae=_vae_choice(cfg), **_torch_best(cfg.device)))
     else:
         backend, precision = ENGINES[variant]
         from sd_accel.backends.registry import entry
 
-        torch_precision = "fp16" if entry(backend).torch_device == "cuda" else "fp32"
+        torch_precision = "fp16" if entry(backend).torch_device == "cuda" else "bf16" if stored == torch.bfloat16 \
+            else "fp32"  # what stays in torch (T5, CLIP, VAE) as loaded: bf16 FLUX.1's T5 in fp32 would be 19 GB
         accelerate(pipe, AccelConfig(device=cfg.device, precision=torch_precision, engines=True, vae=_vae_choice(cfg),
-                                     engine_dir=row_engine_dir(cfg, variant), backend=backend))
+                                     engine_dir=row_engine_dir(cfg, variant), backend=backend,
+                                     engine_precision=_engine_precision(variant)))
     return pipe, time.perf_counter() - start
+
+
+def _engine_precision(variant: str) -> str | None:
+    """The denoiser's engine precision a row runs on, where engines of several precisions share a
+    folder (a full-size transformer's int4 and int8 engines, built once, linked into each row's)."""
+    precision = ENGINES[variant][1]
+    return precision if precision.startswith(("int8", "int4")) else None
+
+
+def _hand_back_if_big(pipe) -> None:
+    """A transformer on its file's mapping (``models.mapped_file``) bigger than half the memory
+    available (FLUX.1: 24 GB of bf16 on a 24 GB machine) hands each layer's pages back after its
+    forward, or the plain diffusers row could not run at all: the row's notes say so."""
+    from sd_accel.device import available_memory
+    from sd_accel.pages import PageDropper
+    from sd_accel.runtime.weights import hand_back_hooks
+
+    net = denoiser(pipe)
+    size = sum(t.numel() * t.element_size() for t in net.parameters())
+    free = available_memory()
+    if free is not None and size > free / 2:
+        hand_back_hooks(net, PageDropper())
+        pipe._bench_hand_back = True  # (read by run_row for the row's details)
 
 
 def run_row(cfg: BenchConfig, variant: str, work: Path) -> dict[str, Any]:
@@ -518,7 +584,8 @@ def run_row(cfg: BenchConfig, variant: str, work: Path) -> dict[str, Any]:
     pipe, load_s = _accelerated(cfg, variant)
     out: dict[str, Any] = {"load_s": load_s}
     with torch.inference_mode(), _Timer(pipe, cuda) as timer:
-        _generate(pipe, cfg, steps=2)  # warm-up: first-call allocations, engine buffers
+        if cfg.warmup_steps:
+            _generate(pipe, cfg, steps=cfg.warmup_steps)  # warm-up: first-call allocations, engine buffers
         totals, unet_calls, clips, vaes, nets = [], [], [], [], []
         image = None
         for _ in range(cfg.repeats):
@@ -532,6 +599,9 @@ def run_row(cfg: BenchConfig, variant: str, work: Path) -> dict[str, Any]:
             vaes.append(sum(timer.times["vae"]))
         n_unet = len(timer.times["unet"])
         out.update(unet_rows=sorted(timer.unet_rows), unet_calls_per_image=n_unet,
+                   denoiser="unet" if getattr(pipe, "unet", None) is not None else "transformer",
+                   denoiser_dtype=str(denoiser(pipe).dtype).replace("torch.", ""),
+                   weights_handed_back=bool(getattr(pipe, "_bench_hand_back", False)),
                    scheduler=type(pipe.scheduler).__name__,
                    vae=type(getattr(pipe.vae, "torch_module", pipe.vae)).__name__)  # (engine stand-ins hold it)
         if cfg.profile:
@@ -614,7 +684,8 @@ _RUN_KEYS = ("clip_ms", "unet_ms", "unet_ms_spread", "vae_ms", "it_s", "s_per_im
              "s_per_image_20", "peak_ram_gb", "peak_vram_gb", "load_s", "controlnet_ms")
 
 
-_DETAILS = ("unet_rows", "unet_calls_per_image", "inference_precision", "scheduler", "vae", "engine_stats")
+_DETAILS = ("unet_rows", "unet_calls_per_image", "inference_precision", "scheduler", "vae", "engine_stats", "denoiser",
+            "denoiser_dtype", "weights_handed_back")
 
 
 def _fill(row: RowResult, ran: dict[str, Any]) -> None:
@@ -788,6 +859,8 @@ def table(report: dict[str, Any]) -> list[list[str]]:
     control = any(r.get("controlnet_ms") for r in report["rows"])
     columns = [c for c in _COLUMNS if (c[0] != "peak_vram_gb" or cuda) and (c[0] != "controlnet_ms" or control)]
     head = [c[1] for c in columns]
+    if _transformer_rows(report):  # SD3 / FLUX.1: the denoiser is a transformer
+        head = [h.replace("UNet", "transformer") for h in head]
     rows = [head]
     for r in report["rows"]:
         if r["skipped"]:
@@ -795,6 +868,10 @@ def table(report: dict[str, Any]) -> list[list[str]]:
             continue
         rows.append([_cell(r, k, f) for k, _, f in columns])
     return rows
+
+
+def _transformer_rows(report: dict[str, Any]) -> bool:
+    return any((r.get("details") or {}).get("denoiser") == "transformer" for r in report["rows"])
 
 
 def text_table(report: dict[str, Any]) -> str:
@@ -836,6 +913,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "records (0 when they were already cached); load s is the pipeline load plus the engine swap; latent "
         "relL2 is the final latents' relative L2 error and PSNR the decoded image's, both against the first row.",
     ]
+    if _transformer_rows(report):
+        lines[-1] = lines[-1].replace("UNet", "transformer")
     return "\n".join(lines) + "\n"
 
 
@@ -1046,6 +1125,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "rows (default: $SD_ACCEL_OPTIMUM_PYTHON, else <repo>/.venv-optimum/bin/python)")
     p.add_argument("--optimum-samples", type=int, default=None, help="optimum-intel hybrid int8: UNet calls it "
                    "calibrates on (default 200; issue 31 compared at 32)")
+    p.add_argument("--text", type=int, default=0, help="SD3 / FLUX.1: T5 tokens of every row and engine "
+                   "(max_sequence_length; FLUX.1-schnell 256, dev 512; default: the pipeline's)")
+    p.add_argument("--max-size", type=int, default=0, help="engines cover sizes from --size up to this (one engine "
+                   "for 512-1024 px, as scripts/bench_full_size.py builds them)")
+    p.add_argument("--components", default="", help="comma list: the components engine rows build (default: every "
+                   "one the pipeline has; a full-size FLUX.1: transformer)")
+    p.add_argument("--no-validate", action="store_true", help="engines are not checked against torch at build "
+                   "(FLUX.1's fp32 reference does not fit in 24 GB)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps of the untimed first generation (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default=PROMPT)
 
@@ -1080,7 +1168,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[str], 
                       out_dir=args.out or str(bench_dir / "results"), optimum_python=args.optimum_python or "",
                       optimum_samples=getattr(args, "optimum_samples", None), recipe=recipe.name,
                       guidance_scale=recipe.guidance_scale if guidance is None else guidance, tiny_vae=tiny_vae,
-                      controlnet=controlnet)
+                      controlnet=controlnet, text_length=getattr(args, "text", 0) or 0,
+                      max_size=getattr(args, "max_size", 0) or 0, components=getattr(args, "components", "") or "",
+                      validate=not getattr(args, "no_validate", False),
+                      warmup_steps=getattr(args, "warmup_steps", 2))
     variants = args.variants.split(",") if args.variants else list(CUDA_VARIANTS if cuda else CPU_VARIANTS)
     if recipe.controlnet:
         variants = variants if args.variants else [v for v in CONTROL_VARIANTS if cuda is False or v == "diffusers"]

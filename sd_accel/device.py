@@ -106,9 +106,25 @@ def versions() -> dict[str, str | None]:
 
 def available_memory() -> int | None:
     """Bytes a new allocation can get now: ``MemAvailable`` plus free swap (``/proc/meminfo``), or
-    None where that cannot be told (no such file: then nothing is refused for memory)."""
+    None where that cannot be told (no such file: then nothing is refused for memory). The one
+    reading of it that the build's checks, refits and chained engines share."""
+    fields = _meminfo()
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
         return (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])) * 1024
-    except (OSError, KeyError, ValueError):
+    except (KeyError, ValueError):
         return None
+
+
+def total_memory() -> int | None:
+    """The machine's memory in bytes (``MemTotal``), or None where that cannot be told."""
+    try:
+        return int(_meminfo()["MemTotal"].split()[0]) * 1024
+    except (KeyError, ValueError):
+        return None
+
+
+def _meminfo() -> dict[str, str]:
+    try:
+        return dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    except OSError:
+        return {}

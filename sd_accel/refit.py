@@ -59,6 +59,7 @@ import torch
 from sd_accel.cache.refits import REFIT_DIR, new_copy  # noqa: F401  (REFIT_DIR: where they go)
 from sd_accel.core import SPEC_VERSION, EngineError, InvalidValue
 from sd_accel.core import peft_layer as _peft_layer
+from sd_accel.device import available_memory  # (refit_fits reads it here: tests patch it)
 from sd_accel.onnx.weights import effective_weights, write_full
 from sd_accel.paths import export_dir
 from sd_accel.runtime.selection import REFIT_CLOSED
@@ -91,18 +92,6 @@ def _scratch(cache_root: Path, name: str) -> Path:
 
 
 _WEIGHT_BYTES = {"fp16": 2, "bf16": 2}  # per element; fp32 engines (and any other) 4
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation now (psutil's ``available``; MemAvailable
-    without psutil), or None where it cannot be told."""
-    try:
-        import psutil
-    except ImportError:
-        from sd_accel.validate import available_bytes
-
-        return available_bytes()
-    return int(psutil.virtual_memory().available)
 
 
 def refit_needs(handle, weights: dict[str, torch.Tensor]) -> int:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from sd_accel.device import available_memory
 from sd_accel.onnx.attention import sdpa_attention
 from sd_accel.onnx.export import fp32_on
 from sd_accel.pages import trim_heap
@@ -297,17 +298,6 @@ class _PeakSampler:
         return None if self.start is None or self.end is None else max(0, self.end - self.start)
 
 
-def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _judged_by_picture(spec, precision: str, rel: float) -> bool:
     """Whether a float denoiser's per-call miss of ``rel`` is left to its picture to judge."""
     ceiling = FLOAT_PICTURE_CEILING.get(precision)
@@ -398,7 +388,7 @@ def _max_plan(spec, profile: Profile, opt_dims: dict | None, max_dims: dict, opt
     Tried in turn: the max shape; the max image size at smaller batches (halved down to the
     profile's smallest); images 3/4, 1/2 and 1/4 of the way from the opt size to the max, at the
     max tokens and the smallest batch."""
-    free = available_bytes()
+    free = available_memory()
     if opt_growth is None or free is None:
         return max_dims, ""
     base = max(1, _elements(spec, opt_dims))

@@ -334,7 +334,7 @@ def test_max_point_is_checked_when_it_fits(pipe):
 def test_max_point_is_skipped_and_recorded_when_it_would_not_fit(pipe, monkeypatch):
     import sd_accel.validate as validation
 
-    monkeypatch.setattr(validation, "available_bytes", lambda: 1)
+    monkeypatch.setattr(validation, "available_memory", lambda: 1)
     monkeypatch.setattr(validation._PeakSampler, "growth", property(lambda self: 2**20))
     spec = specs_for(pipe)["unet"]
     profile = Profile(batch=(1, 1, 2), height=(64, 64, 96), width=(64, 64, 96))
@@ -373,7 +373,7 @@ def _squeeze_memory(monkeypatch, spec, profile, fits):
     pts = validation._points(spec, profile)
     ratio = validation._elements(spec, fits) / validation._elements(spec, pts["opt"])
     free = validation.max_point_need(gib, 0, 0, ratio) + 1
-    monkeypatch.setattr(validation, "available_bytes", lambda: free)
+    monkeypatch.setattr(validation, "available_memory", lambda: free)
     monkeypatch.setattr(validation._PeakSampler, "growth", property(lambda self: gib))
     monkeypatch.setattr(validation._PeakSampler, "kept", property(lambda self: 0))
 

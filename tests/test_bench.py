@@ -304,3 +304,34 @@ def test_a_controlnet_that_misses_its_check_is_built_in_fp32_and_the_row_says_so
     monkeypatch.setattr(sd_accel, "build_engines", unet_fails)
     with pytest.raises(ValidationFailed, match="unet_control"):
         bench.build_row(cfg, "openvino-bf16")
+
+
+@pytest.mark.parametrize("name, guidance", [("builtin:tiny-flux", 0.0), ("builtin:tiny-sd3", 4.5)])
+def test_transformer_family_rows_time_the_transformer_on_engines(tmp_path, name, guidance):
+    """SD3 / SD3.5 and FLUX.1 rows (issue 44): the transformer is the timed denoiser (the table says
+    so), every text encoder (T5 too) counts as CLIP, engine rows build only ``components`` at the
+    ``text_length`` given, run every transformer call on the engine, and the int8 row quantizes the
+    transformer; SD3 runs CFG's two rows per call, FLUX.1 one."""
+    BenchConfig, run_bench = bench.BenchConfig, bench.run_bench
+    variants = ["diffusers", "ort-fp32"] + (["openvino-int8"] if HAS["openvino"] and HAS["nncf"] else [])
+    cfg = BenchConfig(model=name, device="cpu", height=64, width=64, steps=2, repeats=1, guidance_scale=guidance,
+                      engine_dir=str(tmp_path / "engines"), out_dir=str(tmp_path / "out"), text_length=32,
+                      components="transformer", warmup_steps=1)
+    report = run_bench(cfg, variants, inprocess=True, log=lambda m: None)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert all(not r["skipped"] for r in rows.values()), {k: r["skipped"] for k, r in rows.items()}
+    rows_per_call = [2] if guidance > 1 else [1]
+    for variant, r in rows.items():
+        assert r["details"]["denoiser"] == "transformer" and r["details"]["unet_rows"] == rows_per_call
+        assert r["unet_ms"] > 0 and r["clip_ms"] > 0 and r["details"]["unet_calls_per_image"] == 2
+        if variant != "diffusers":
+            stats = r["details"]["engine_stats"]["transformer"]
+            assert stats["engine_calls"] > 0 and not stats["torch_calls"], stats
+            assert r["psnr_db"] > 10 and r["disk_gb"] > 0
+    assert set(rows["ort-fp32"]["engine_rel_l2"]) == {"transformer.fp32"}
+    if "openvino-int8" in rows:
+        assert set(rows["openvino-int8"]["engine_rel_l2"]) == {"transformer.int8"}
+    head = bench.table(report)[0]
+    assert "transformer ms/call" in head and not any("UNet" in h for h in head)
+    with pytest.raises(bench.BenchError, match="no unet"):
+        bench.build_row(bench.BenchConfig(**{**bench.asdict(cfg), "components": "unet"}), "ort-fp32")

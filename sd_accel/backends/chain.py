@@ -121,18 +121,10 @@ def chain_reserve() -> int:
         if gb < 0:
             raise InvalidValue(f"{RESERVE_ENV}={value!r}: give the gigabytes to leave available, e.g. 4")
         return int(gb * 1e9)
-    total = _total_memory()
+    from sd_accel.device import total_memory
+
+    total = total_memory()
     return max(4 << 30, int(0.15 * total)) if total else 4 << 30
-
-
-def _total_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 class ChainRunner:
