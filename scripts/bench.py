@@ -474,10 +474,12 @@ def build_row(cfg: BenchConfig, variant: str) -> dict[str, Any]:
 
     pipe = load_model(cfg)
     top = max(cfg.max_size, cfg.height, cfg.width)
-    cfg_rows = cfg.cfg_rows and "Flux" not in type(pipe).__name__  # FLUX.1 embeds its guidance: one row
+    # FLUX.1 runs one row per call whatever the guidance (embedded, or none): its profile never
+    # says .nocfg, so the engines scripts/bench_full_size.py built are the ones found here
+    one_row = not cfg.cfg_rows and "Flux" not in type(pipe).__name__
     profile = dict(batch=1, height=(cfg.height, top, top) if cfg.max_size else cfg.height,
                    width=(cfg.width, top, top) if cfg.max_size else cfg.width,
-                   **({} if cfg_rows else {"cfg": False}), **({"text": cfg.text_length} if cfg.text_length else {}))
+                   **({"cfg": False} if one_row else {}), **({"text": cfg.text_length} if cfg.text_length else {}))
     available = engine_components(pipe)
     if cfg.components:
         wanted = cfg.components.split(",")

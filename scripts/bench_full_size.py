@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -179,6 +180,9 @@ def main() -> None:
     q.add_argument("a", type=Path)
     q.add_argument("b", type=Path)
     args = ap.parse_args()
+    # sd-accel's own progress lines (which segments of a chain stay loaded, which stream)
+    logging.basicConfig(format="LOG %(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("sd_accel").setLevel(logging.INFO)
     if args.cmd == "build":
         build(args.file, args.engines, args.size, args.text, args.precision, args.components.split(","), args.backend,
               not args.no_validate, args.min_size)

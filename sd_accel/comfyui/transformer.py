@@ -386,13 +386,7 @@ class TransformerRefit(Refit):
 def refit_for(base, loras, dm: torch.nn.Module, patcher) -> TransformerRefit:
     """The engines ``base`` (the checkpoint's transformer engines; INT8 ones left out) to be
     refitted to ``dm``'s weights (ComfyUI's, carrying ``loras``), each at its first call."""
-    from sd_accel.refit import needs_rebuild, pending_component
-
-    refittable = base.subset(lambda h: h.broken is None and needs_rebuild(h) is None)
-    refit = TransformerRefit(None, loras, tuple(h.name for h in refittable.handles))
-    refit.bind(dm, None, _check(patcher), _context)
-    refit.engines = pending_component(refittable, refit.make)
-    return refit
+    return TransformerRefit.pending_for(base, loras, dm, None, _check(patcher), _context)
 
 
 def lora_patched(patcher) -> bool:

@@ -282,13 +282,7 @@ def transformer_refit_for(base, loras, ckpt: str, module: torch.nn.Module, spec=
     """The transformer engines ``base`` (the runtime's ``ComponentEngines``; INT8 ones left
     out) to be refitted to ``module``'s weights (Forge's, carrying ``loras`` once ``merge()``
     returns None), each at its first call. Same signature as :func:`.lora.refit_for`."""
-    from sd_accel.refit import needs_rebuild, pending_component
-
-    refittable = base.subset(lambda h: h.broken is None and needs_rebuild(h) is None)
-    refit = TransformerRefit(None, loras, tuple(h.name for h in refittable.handles))
-    refit.bind(module, spec, merge, context)
-    refit.engines = pending_component(refittable, refit.make)
-    return refit
+    return TransformerRefit.pending_for(base, loras, module, spec, merge, context)
 
 
 __all__ = ["CLASSES", "COMPONENT", "EngineTransformerModel", "TransformerRefit", "build_profile", "call_reason", "family",

@@ -79,6 +79,20 @@ class Refit:
         handles = self.engines.handles if self.engines is not None else []
         return [h.refit for h in handles if isinstance(h.refit, PendingRefit)]
 
+    @classmethod
+    def pending_for(cls, base, loras: LoraSet, *source):
+        """A refit of the engines of ``base`` (a runtime ``ComponentEngines``; INT8 and broken ones
+        left out) to the weights of ``source`` (:meth:`bind`'s arguments), each engine refitted at
+        its first call (:class:`~sd_accel.refit.PendingRefit`): nothing is patched here. Its
+        ``engines`` are the pending ones; a host wraps them as it needs (:func:`refit_for`)."""
+        from sd_accel.refit import needs_rebuild, pending_component
+
+        refittable = base.subset(lambda h: h.broken is None and needs_rebuild(h) is None)
+        refit = cls(None, loras, tuple(h.name for h in refittable.handles))
+        refit.bind(*source)
+        refit.engines = pending_component(refittable, refit.make)
+        return refit
+
     def bind(self, unet: torch.nn.Module, spec=None, merge: Merge | None = None, context=None) -> None:
         """The torch UNet (and how to make it carry the set: ``merge``; the host's trace
         ``context``) a pending engine is refitted from at its first call."""
@@ -268,12 +282,8 @@ def refit_for(base, loras: LoraSet, ckpt: str, unet: torch.nn.Module, spec=None,
     patched here. ``spec``: the engines' spec (default the plain ``ldm_unet`` one; the
     residual-taking UNet passes its own); ``context``: a host's trace context, entered around
     each refit. Later jobs :meth:`Refit.bind` their own UNet and merge."""
-    from sd_accel.refit import needs_rebuild, pending_component
-
-    refittable = base.component_engines.subset(lambda h: h.broken is None and needs_rebuild(h) is None)
-    refit = Refit(None, loras, tuple(h.name for h in refittable.handles))
-    refit.bind(unet, spec, merge, context)
-    refit.engines = LdmEngines(weights_id(ckpt, loras), pending_component(refittable, refit.make))
+    refit = Refit.pending_for(base.component_engines, loras, unet, spec, merge, context)
+    refit.engines = LdmEngines(weights_id(ckpt, loras), refit.engines)
     return refit
 
 
