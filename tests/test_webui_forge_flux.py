@@ -130,6 +130,19 @@ def test_forge_flux_builds_and_runs_on_the_transformer_engine(forge_flux, caplog
     line = ctl.job_finished()
     assert "FLUX.1 transformer calls this job: 1 on engines, 2 in PyTorch" in line, line
     assert "ControlNet residuals are not in the FLUX.1 engine" in line, line
+    # a batch of 4 (Forge packs as many as memory allows) on an engine of batch 1-2: two chunks of 2
+    ctl.job_started()
+    four = _call(3, batch=4)
+    with torch.no_grad():
+        want = module(**four)
+    torch.testing.assert_close(_sample(model, four), want, atol=2e-4, rtol=2e-4)
+    assert _stats() == (2, 0)
+    three = _call(4, batch=3)  # 2 + 1
+    with torch.no_grad():
+        want = module(**three)
+    torch.testing.assert_close(_sample(model, three), want, atol=2e-4, rtol=2e-4)
+    assert _stats() == (4, 0)
+    ctl.job_finished()
 
 
 def test_forge_flux_lora_refits_the_engine_never_serving_stale_weights(forge_flux):

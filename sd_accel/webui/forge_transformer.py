@@ -188,15 +188,33 @@ class EngineTransformerModel(ProxyModule):
                 engines.torch_call(reason)
             return in_torch()
         code = _module(fam)
-        if fam == "flux":
-            inputs, shape = code.feed(module, x, timestep, context, y, guidance)
-        else:
-            inputs, shape = code.feed(module, x, timestep, context, y)
-        out = engines.run(inputs, need=("latent",))
-        if out is None:  # counted, with the reason, by the engines
-            return in_torch()
-        # copy: the engine reuses its output buffer on the next call
-        return code.output(out["latent"], shape).to(device=x.device, dtype=x.dtype, copy=True)
+        batch = x.shape[0]
+
+        def rows(value, part: slice):  # a per-row input cut to ``part`` (a scalar stays as it is)
+            return value[part] if torch.is_tensor(value) and value.dim() and value.shape[0] == batch else value
+
+        def feed(part: slice):
+            args = [rows(v, part) for v in (x, timestep, context, y, *((guidance,) if fam == "flux" else ()))]
+            return code.feed(module, *args)
+
+        from sd_accel.webui.runner import batch_slices
+
+        # a batch larger than any engine covers (Forge packs cond and uncond, and as many images as
+        # memory allows) runs in the largest chunks some engine covers
+        parts = batch_slices(engines, lambda n: feed(slice(0, n))[0], batch)
+        outs = []
+        for part in parts:
+            inputs, shape = feed(part)
+            out = engines.run(inputs, need=("latent",))
+            if out is None:  # counted, with the reason, by the engines
+                if len(parts) == 1:
+                    return in_torch()
+                more = dict(kwargs, guidance=rows(guidance, part)) if guidance is not None else kwargs
+                outs.append(module(x[part], rows(timestep, part), context=rows(context, part), y=rows(y, part),
+                                   control=control, transformer_options=options, **more))
+            else:  # copy: the engine reuses its output buffer on the next call
+                outs.append(code.output(out["latent"], shape).to(device=x.device, dtype=x.dtype, copy=True))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def patch_for_sampling(p, ctl, patcher, park: Callable) -> bool:

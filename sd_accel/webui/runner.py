@@ -106,20 +106,27 @@ class LdmEngines:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _chunks(self, engines: ComponentEngines, feed: dict[str, torch.Tensor], batch: int) -> list[slice]:
-        """Slices of the batch: each the largest size some live engine covers; one slice for
-        the whole call when none covers any size (then the call is one counted fallback)."""
-        live = [h for h in engines.handles if h.broken is None]
+        return batch_slices(engines, lambda n: {k: v[:n] for k, v in feed.items()}, batch)  # (views: no copy)
 
-        def served(size: int) -> bool:  # some live engine covers the call cut to ``size`` rows
-            part = {k: v[:size] for k, v in feed.items()}  # views: nothing is copied
-            return any(covers(h.shapes, part) for h in live)
 
-        parts, start = [], 0
-        while start < batch:
-            left = batch - start
-            size = next((b for b in range(left, 0, -1) if served(b)), None)
-            if size is None:  # nothing covers what is left: one torch call for all of it
-                size = left
-            parts.append(slice(start, start + size))
-            start += size
-        return parts
+def batch_slices(engines: ComponentEngines, feed_of: Callable[[int], dict[str, torch.Tensor]],
+                 batch: int) -> list[slice]:
+    """Slices of a call's batch: each the largest size some live engine of ``engines`` covers
+    (``feed_of(n)``: the engine feed of the call cut to its first ``n`` rows); one slice for the
+    whole call when none covers any size (then the call is one counted fallback). The denoisers
+    treat samples independently, so the chunks give the call's result."""
+    live = [h for h in engines.handles if h.broken is None]
+
+    def served(size: int) -> bool:  # some live engine covers the call cut to ``size`` rows
+        part = feed_of(size)
+        return any(covers(h.shapes, part) for h in live)
+
+    parts, start = [], 0
+    while start < batch:
+        left = batch - start
+        size = next((b for b in range(left, 0, -1) if served(b)), None)
+        if size is None:  # nothing covers what is left: one torch call for all of it
+            size = left
+        parts.append(slice(start, start + size))
+        start += size
+    return parts
