@@ -71,8 +71,8 @@ UNET_IMAGE_PSNR = {"int8": 35.0, "int8-dynamic": 35.0}
 # checked at build time: it depends on the request (steps, size, prompt), and a check costs one
 # uncached generation. Below it, the check turns the cache off and says so.
 STEP_CACHE_PSNR = UNET_IMAGE_PSNR["int8"]
-# A float (bf16 / fp16) denoiser that misses its per-call tolerance by a little is judged by the
-# picture instead: per call, random-weight UNets sit at the edge of bf16's gate (the LCM SD 1.5
+# A bf16 / fp16 (or int4, below) denoiser that misses its per-call tolerance by a little is judged
+# by the picture instead: per call, random-weight UNets sit at the edge of bf16's gate (the LCM SD 1.5
 # UNet at 5.26e-2 against 5e-2 on both CPU kinds measured, so the few-step recipe ran its UNet in
 # torch), while the picture of bf16's rounding is 47-55 dB from fp32's. 40 dB keeps a margin
 # below that and above what a wrong engine makes (the tiny LCM UNet with its sign flipped at the
@@ -81,8 +81,8 @@ STEP_CACHE_PSNR = UNET_IMAGE_PSNR["int8"]
 # same way, at int8's picture gate: per call they are further off than int8 (their rounding is 16
 # times coarser), which says little about a picture made over many steps; past 0.35 per call no
 # picture is tried.
-FLOAT_IMAGE_PSNR = {"bf16": 40.0, "fp16": 40.0, "int4": UNET_IMAGE_PSNR["int8"]}
-FLOAT_PICTURE_CEILING = {"bf16": 0.1, "fp16": 0.06, "int4": 0.35}
+PICTURE_PSNR = {"bf16": 40.0, "fp16": 40.0, "int4": UNET_IMAGE_PSNR["int8"]}
+PICTURE_CEILING = {"bf16": 0.1, "fp16": 0.06, "int4": 0.35}
 # A component whose outputs only feed another one (a ControlNet's residuals feed the UNet) and
 # misses the tolerance on those outputs is judged again by what it does to its consumer's output:
 # the consumer in torch fp32 fed the engine's outputs vs fed torch's, against the same tolerance.
@@ -300,7 +300,7 @@ class _PeakSampler:
 
 def _judged_by_picture(spec, precision: str, rel: float) -> bool:
     """Whether a float denoiser's per-call miss of ``rel`` is left to its picture to judge."""
-    ceiling = FLOAT_PICTURE_CEILING.get(precision)
+    ceiling = PICTURE_CEILING.get(precision)
     return ceiling is not None and spec.name in ("unet", "transformer") and rel <= ceiling \
         and callable(getattr(spec, "pipe", None))
 
@@ -309,7 +309,7 @@ def _float_picture(spec, runner, profile: Profile, precision: str, misses: list[
                    memo: dict | None) -> tuple[float | None, str]:
     """(picture PSNR, why refused or "") for a float denoiser that missed its per-call tolerance:
     the calibration prompt's picture made on ``runner`` against torch's (:func:`unet_image_psnr`)."""
-    gate = FLOAT_IMAGE_PSNR[precision]
+    gate = PICTURE_PSNR[precision]
     psnr = unet_image_psnr(spec, runner, profile, memo)
     if psnr is None:  # (a ControlNet pipeline's UNet: its picture needs the net's residuals)
         return None, "; ".join(misses) + " (no picture to judge it by in this pipeline)"
@@ -456,8 +456,8 @@ def validate(
     An int8 UNet checked on captured ``feeds`` that passes is also judged by the picture its
     pipeline makes (:func:`unet_image_psnr`, :data:`UNET_IMAGE_PSNR`); ``memo`` keeps the torch
     picture for the next scope's check. A bf16 / fp16 UNet or transformer of a diffusers pipeline
-    that misses its per-call tolerance, but by no more than :data:`FLOAT_PICTURE_CEILING`, is
-    judged by that picture instead (:data:`FLOAT_IMAGE_PSNR`): accepted when the picture is close
+    that misses its per-call tolerance, but by no more than :data:`PICTURE_CEILING`, is
+    judged by that picture instead (:data:`PICTURE_PSNR`): accepted when the picture is close
     to torch's, refused (both reasons given) when it is not."""
     if items is not None and items < 1:
         raise ValueError(f"items must be at least 1 (or None: every batch item), not {items}")
@@ -481,7 +481,7 @@ def validate(
     reduced: dict[str, dict] = {}
     worst_psnr: float | None = None
     worst_consumer: float | None = None
-    by_picture: list[str] = []  # per-call misses a float denoiser's picture decides (FLOAT_IMAGE_PSNR)
+    by_picture: list[str] = []  # per-call misses a float denoiser's picture decides (PICTURE_PSNR)
     psnr_gate = IMAGE_PSNR.get(precision) if "images" in names else None
     seeds = {label: i for i, label in enumerate(_points(spec, profile))}
     module = spec.torch_module()

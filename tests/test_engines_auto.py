@@ -233,7 +233,7 @@ def test_a_default_precision_engine_that_misses_its_check_is_built_in_fp32(tmp_p
     if get_backend("openvino").default_precision() != "bf16":
         pytest.skip("OpenVINO's default here is not bf16 (this CPU has neither AVX512-BF16 nor AMX)")
     monkeypatch.setitem(validate.TOLERANCE, "bf16", 0.0)  # every bf16 engine now misses the check, for real
-    monkeypatch.setitem(validate.FLOAT_IMAGE_PSNR, "bf16", 1e9)  # the UNet's picture too
+    monkeypatch.setitem(validate.PICTURE_PSNR, "bf16", 1e9)  # the UNet's picture too
     pipe = accelerate(load_pipeline("builtin:tiny-sd15"),
                       AccelConfig(engines="auto", engine_dir=str(tmp_path / "a"), backend="openvino", precision="fp32"))
     with caplog.at_level("WARNING", logger="sd_accel"):

@@ -1,6 +1,6 @@
 """Issue 46, part 4: a bf16 / fp16 denoiser that misses its per-call tolerance by a little is
-judged by the picture its pipeline makes (``FLOAT_IMAGE_PSNR``), as int8 UNets are; an engine
-that damages the picture is still refused, and a miss past ``FLOAT_PICTURE_CEILING`` is refused
+judged by the picture its pipeline makes (``PICTURE_PSNR``), as int8 UNets are; an engine
+that damages the picture is still refused, and a miss past ``PICTURE_CEILING`` is refused
 without a picture. Tiny models of the real architectures, random weights, 64 px."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_a_small_per_call_miss_is_accepted_by_the_picture(lcm_pipe, monkeypatch)
     result = validate.validate(spec, _Runner(spec, lambda out, t: out * 1.06), STATIC, "bf16")
     assert result.ok, result.why
     assert result.rel_l2 > validate.TOLERANCE["bf16"]
-    assert validate.FLOAT_IMAGE_PSNR["bf16"] <= result.image_psnr < 200
+    assert validate.PICTURE_PSNR["bf16"] <= result.image_psnr < 200
     assert len(runs) == 2  # torch's picture and the engine's
 
 
@@ -68,7 +68,7 @@ def test_an_engine_that_damages_the_picture_is_refused(lcm_pipe, monkeypatch):
     assert "relative error 6.00e-02 at opt exceeds 5e-02 for bf16, and the picture its pipeline makes on it is" \
         in result.why
     assert "below 40 dB for bf16" in result.why
-    assert result.image_psnr < validate.FLOAT_IMAGE_PSNR["bf16"]
+    assert result.image_psnr < validate.PICTURE_PSNR["bf16"]
 
 
 def test_a_miss_past_the_ceiling_is_refused_without_a_picture(lcm_pipe, monkeypatch):
@@ -105,4 +105,4 @@ def test_the_few_step_recipe_runs_its_bf16_unet_on_the_engine(tmp_path, monkeypa
     assert unet["engine_calls"] == 4 and unet["torch_calls"] == 0, unet
     record, = [r for r in EngineCache(tmp_path).list() if r.key.component == "unet"]
     assert record.key.precision == "bf16"
-    assert validate.FLOAT_IMAGE_PSNR["bf16"] <= record.validation["image_psnr"] < 200
+    assert validate.PICTURE_PSNR["bf16"] <= record.validation["image_psnr"] < 200

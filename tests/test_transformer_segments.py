@@ -219,8 +219,8 @@ def test_int4_weights_on_openvino_judged_by_the_picture(tmp_path, monkeypatch, s
     monkeypatch.setitem(validate.TOLERANCE, "int4", 1e-4)
     (judged,) = build_engines(pipe, profiles=[profile], backend="openvino", precision="int4",
                               components=["transformer"], engine_dir=tmp_path / "c", progress=False)
-    assert judged.validation["ok"] and judged.validation["image_psnr"] >= validate.FLOAT_IMAGE_PSNR["int4"]
-    monkeypatch.setitem(validate.FLOAT_PICTURE_CEILING, "int4", 1e-3)  # past the ceiling: refused outright
+    assert judged.validation["ok"] and judged.validation["image_psnr"] >= validate.PICTURE_PSNR["int4"]
+    monkeypatch.setitem(validate.PICTURE_CEILING, "int4", 1e-3)  # past the ceiling: refused outright
     with pytest.raises(Exception, match="int4"):
         build_engines(pipe, profiles=[profile], backend="openvino", precision="int4", components=["transformer"],
                       engine_dir=tmp_path / "d", progress=False)
