@@ -281,7 +281,7 @@ def test_a_controlnet_that_misses_its_check_is_built_in_fp32_and_the_row_says_so
 
     asked = []
 
-    def fake_build(pipe, profiles, backend, precision, components, engine_dir, progress):
+    def fake_build(pipe, profiles, backend, precision, components, engine_dir, progress, validate=True):
         asked.append((tuple(components), precision))
         if "controlnet" in components and precision != "fp32":
             raise ValidationFailed("engine controlnet... failed validation: relative error 6.10e-02 at opt exceeds 5e-02")
@@ -296,7 +296,7 @@ def test_a_controlnet_that_misses_its_check_is_built_in_fp32_and_the_row_says_so
                      (("controlnet",), "fp32")]
     assert built["precision_fallbacks"]["controlnet"].startswith("fp32 (bf16 missed its check")
 
-    def unet_fails(pipe, profiles, backend, precision, components, engine_dir, progress):
+    def unet_fails(pipe, profiles, backend, precision, components, engine_dir, progress, validate=True):
         if "unet_control" in components:
             raise ValidationFailed("engine unet_control... failed validation")
         return []
