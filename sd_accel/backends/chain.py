@@ -109,9 +109,11 @@ def chain_keeping(backend) -> str:
 
 def chain_reserve() -> int:
     """The memory a chain leaves available when it keeps segments loaded (``KEEP_FIT``):
-    ``SD_ACCEL_CHAIN_RESERVE_GB``, or the larger of 4 GiB and 15% of the machine's memory: what
+    ``SD_ACCEL_CHAIN_RESERVE_GB``, or the larger of 4 GiB and 25% of the machine's memory: what
     the rest of the call needs beside it (FLUX.1's VAE decode at 1024 px, T5 for the next prompt,
-    the next segment's load and first inference: about 1 GB for a FLUX.1 double block at 1024 px)."""
+    the next segment's load and first inference: about 1 GB for a FLUX.1 double block at 1024 px).
+    FLUX.1's int4 chain at 1024 px on 24 GB: peak RSS 21.1 GiB with 4.3 GB kept, 19.6 GiB with 6 GB
+    (scripts/BENCHMARKS-full-size.md)."""
     value = os.environ.get(RESERVE_ENV, "").strip()
     if value:
         try:
@@ -124,7 +126,7 @@ def chain_reserve() -> int:
     from sd_accel.device import total_memory
 
     total = total_memory()
-    return max(4 << 30, int(0.15 * total)) if total else 4 << 30
+    return max(4 << 30, int(0.25 * total)) if total else 4 << 30
 
 
 class ChainRunner:
