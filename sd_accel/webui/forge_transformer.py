@@ -174,9 +174,15 @@ class EngineTransformerModel(ProxyModule):
         fam = family_of(module)
         options = transformer_options if transformer_options is not None else {}
 
-        def in_torch() -> torch.Tensor:
-            more = dict(kwargs, guidance=guidance) if guidance is not None else kwargs  # (SD3 takes none)
-            return module(x, timestep, context=context, y=y, control=control, transformer_options=options, **more)
+        batch = x.shape[0]
+
+        def rows(value, part: slice):  # a per-row input cut to ``part`` (a scalar stays as it is)
+            return value[part] if torch.is_tensor(value) and value.dim() and value.shape[0] == batch else value
+
+        def in_torch(part: slice = slice(None)) -> torch.Tensor:
+            more = dict(kwargs, guidance=rows(guidance, part)) if guidance is not None else kwargs  # (SD3 takes none)
+            return module(rows(x, part), rows(timestep, part), context=rows(context, part), y=rows(y, part),
+                          control=control, transformer_options=options, **more)
 
         reason = call_reason(module, y, guidance, control, options, kwargs)
         engines = self._engines() if reason is None else (self.__dict__["engines"] or self.__dict__["_base"])
@@ -188,14 +194,14 @@ class EngineTransformerModel(ProxyModule):
                 engines.torch_call(reason)
             return in_torch()
         code = _module(fam)
-        batch = x.shape[0]
-
-        def rows(value, part: slice):  # a per-row input cut to ``part`` (a scalar stays as it is)
-            return value[part] if torch.is_tensor(value) and value.dim() and value.shape[0] == batch else value
+        feeds: dict[tuple, tuple] = {}  # (the whole call's feed is made once: batch_slices tries it first)
 
         def feed(part: slice):
-            args = [rows(v, part) for v in (x, timestep, context, y, *((guidance,) if fam == "flux" else ()))]
-            return code.feed(module, *args)
+            key = part.indices(batch)
+            if key not in feeds:
+                args = [rows(v, part) for v in (x, timestep, context, y, *((guidance,) if fam == "flux" else ()))]
+                feeds[key] = code.feed(module, *args)
+            return feeds[key]
 
         from sd_accel.webui.runner import batch_slices
 
@@ -207,11 +213,7 @@ class EngineTransformerModel(ProxyModule):
             inputs, shape = feed(part)
             out = engines.run(inputs, need=("latent",))
             if out is None:  # counted, with the reason, by the engines
-                if len(parts) == 1:
-                    return in_torch()
-                more = dict(kwargs, guidance=rows(guidance, part)) if guidance is not None else kwargs
-                outs.append(module(x[part], rows(timestep, part), context=rows(context, part), y=rows(y, part),
-                                   control=control, transformer_options=options, **more))
+                outs.append(in_torch(part))
             else:  # copy: the engine reuses its output buffer on the next call
                 outs.append(code.output(out["latent"], shape).to(device=x.device, dtype=x.dtype, copy=True))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
