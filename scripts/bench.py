@@ -58,9 +58,14 @@ import numpy as np
 from sd_accel.backends.registry import TABLE
 from sd_accel.core import DEFAULT_COMPONENTS, BenchError, ValidationFailed
 
+# optimum-intel rows: variant -> scripts/bench_optimum.py --mode. They run in their own venv.
+# optimum-intel-int8 / -int4: weight-only compression of every part (its default export does int8 to
+# models above 1e9 parameters: pass int8 to get that on a scaled-down folder too).
+OPTIMUM = {"optimum-intel-default": "default", "optimum-intel-hybrid-int8": "hybrid-int8",
+           "optimum-intel-int8": "int8", "optimum-intel-int4": "int4"}
 PROMPT = "a photograph of an astronaut riding a horse on mars, highly detailed"
 CPU_VARIANTS = ("diffusers", "sd-accel-torch", "ort-fp32", "openvino-fp32", "openvino-bf16", "openvino-int8",
-                "ort-int8", "ort-int8-dynamic", "optimum-intel-default", "optimum-intel-hybrid-int8")
+                "ort-int8", "ort-int8-dynamic", *OPTIMUM)
 CUDA_VARIANTS = ("diffusers", "sd-accel-torch", "tensorrt-fp16")
 ENGINE_COMPONENTS = DEFAULT_COMPONENTS  # those the pipeline has (clip2: SDXL)
 # variant -> (backend, precision) for engine rows: every precision of every backend in the table
@@ -74,8 +79,6 @@ ENGINES = {f"{_SHORT.get(e.name, e.name)}-{p}": (e.name, p) for e in TABLE for p
 INT8_COMPONENTS: dict[str, tuple[str, ...]] = {}
 INT8_DEFAULT = ("unet", "transformer")  # the denoiser, UNet or transformer (SD3 / SD3.5, FLUX.1); int4 rows alike
 SHARED_ONNX = "onnx-shared"
-# optimum-intel rows: variant -> scripts/bench_optimum.py --mode. They run in their own venv.
-OPTIMUM = {"optimum-intel-default": "default", "optimum-intel-hybrid-int8": "hybrid-int8"}
 SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[1]
 OPTIMUM_SCRIPT = REPO / "scripts" / "bench_optimum.py"
@@ -398,6 +401,7 @@ def _optimum_cmd(cfg: BenchConfig, variant: str, mode: str, work: Path) -> list[
             "--out-dir", str(work), "--height", str(cfg.height), "--width", str(cfg.width), "--steps", str(cfg.steps),
             "--repeats", str(cfg.repeats), "--seed", str(cfg.seed), "--prompt", cfg.prompt,
             "--guidance-scale", str(cfg.guidance_scale), *(["--tiny-vae", cfg.tiny_vae] if cfg.tiny_vae else []),
+            *(["--text", str(cfg.text_length)] if cfg.text_length else []),
             *(["--num-samples", str(cfg.optimum_samples)] if cfg.optimum_samples and OPTIMUM[variant] != "default" else [])]
 
 
@@ -1065,12 +1069,15 @@ def _save_model(pipe, dest: Path) -> None:
     # 2 GB shards: safetensors copies a shard into bytes to write it, and SDXL's fp32 UNet (10 GB)
     # in one go would double the 14 GB the random pipeline already holds
     pipe.save_pretrained(tmp, safe_serialization=True, max_shard_size="2GB")
-    prefix_text_encoder(tmp / "text_encoder")
+    for te in sorted(tmp.glob("text_encoder*")):  # SDXL, SD3: a second CLIP (with projection); T5 has no prefix
+        if '"CLIPTextModel' in ((te / "config.json").read_text() if (te / "config.json").exists() else ""):
+            prefix_text_encoder(te)
     tmp.rename(dest)
 
 
 def prefix_text_encoder(folder: Path) -> bool:
-    """Give a saved CLIPTextModel's keys the ``text_model.`` prefix; True when it rewrote the file.
+    """Give a saved CLIPTextModel's keys the ``text_model.`` prefix (a CLIP with projection keeps
+    its ``text_projection`` at the top, as it is saved); True when it rewrote the file.
 
     transformers >= 5.6 saves CLIPTextModel without the prefix and reads both layouts; older
     versions (optimum-intel 2.2 pins < 5.6) read only the prefixed one, which hub SD 1.5
@@ -1083,9 +1090,12 @@ def prefix_text_encoder(folder: Path) -> bool:
         return False
     with safe_open(str(files[0]), "pt") as f:
         keys = list(f.keys())
-        if not keys or all(k.startswith(TE_PREFIX) for k in keys):
+        def fixed(k: str) -> str:
+            return k if k.startswith((TE_PREFIX, "text_projection.")) else TE_PREFIX + k
+
+        if not keys or all(fixed(k) == k for k in keys):
             return False
-        tensors = {k if k.startswith(TE_PREFIX) else TE_PREFIX + k: f.get_tensor(k) for k in keys}
+        tensors = {fixed(k): f.get_tensor(k) for k in keys}
     tmp = files[0].with_name(files[0].name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(files[0])  # readers that have the old file open keep it

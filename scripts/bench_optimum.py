@@ -74,9 +74,14 @@ CALIBRATION_PROMPTS = (
     "a close-up of a red fox in autumn leaves",
     "abstract geometric shapes, bauhaus poster",
 )
-VARIANTS = {"default": "optimum-intel-default", "hybrid-int8": "optimum-intel-hybrid-int8"}
+VARIANTS = {"default": "optimum-intel-default", "hybrid-int8": "optimum-intel-hybrid-int8",
+            "int8": "optimum-intel-int8", "int4": "optimum-intel-int4"}
 # model_index.json's pipeline -> optimum-intel's class for it (anything else: OVStableDiffusionPipeline)
-OV_PIPELINES = {"LatentConsistencyModelPipeline": "OVLatentConsistencyModelPipeline"}
+OV_PIPELINES = {"LatentConsistencyModelPipeline": "OVLatentConsistencyModelPipeline",
+                "StableDiffusion3Pipeline": "OVStableDiffusion3Pipeline", "FluxPipeline": "OVFluxPipeline"}
+# int8 / int4: optimum-intel's weight-only compression of every part (what its default export does to
+# a model above 1e9 parameters, ``--weight-format int8``; int4 with its defaults: group 128, ratio 1)
+WEIGHT_BITS = {"int8": 8, "int4": 4}
 TE_PREFIX = "text_model."
 
 
@@ -136,19 +141,61 @@ def versions() -> dict[str, str]:
 # ---- the text encoder's checkpoint layout ---------------------------------------------------
 
 
+def _clip_class(te_dir: Path):
+    """The transformers CLIP class a text-encoder folder's config names (None: not a CLIP)."""
+    import transformers
+
+    names = json.loads((te_dir / "config.json").read_text()).get("architectures") or ["CLIPTextModel"]
+    return getattr(transformers, names[0]) if names[0].startswith("CLIPTextModel") else None
+
+
 def _expected_te_keys(te_dir: Path) -> set[str]:
     import torch
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextConfig
 
     with torch.device("meta"):
-        model = CLIPTextModel(CLIPTextConfig.from_pretrained(te_dir))
+        model = _clip_class(te_dir)(CLIPTextConfig.from_pretrained(te_dir))
     return set(model.state_dict().keys())
 
 
+def _te_folders(model_dir: Path) -> list[Path]:
+    """The CLIP text-encoder folders of a pipeline (SD: one; SDXL, SD3: two; FLUX.1: one)."""
+    return [d for d in sorted(model_dir.glob("text_encoder*")) if (d / "config.json").exists() and _clip_class(d)]
+
+
+def _te_fix(te_dir: Path) -> tuple[dict[str, Any], Any]:
+    """What a CLIP folder's keys need: ``({}, None)`` when they are what this transformers expects,
+    else the note and the key renaming."""
+    from safetensors import safe_open
+
+    files = sorted(te_dir.glob("*.safetensors"))
+    if len(files) != 1:
+        return {"te_layout": f"not checked ({len(files)} safetensors files)"}, None
+    with safe_open(str(files[0]), "pt") as f:
+        keys = set(f.keys())
+    expected = _expected_te_keys(te_dir)
+    missing = expected - keys
+    if not missing:
+        return {}, None
+    strip = {k.removeprefix(TE_PREFIX) for k in expected} - {k.removeprefix(TE_PREFIX) for k in keys}
+    if strip - {"embeddings.position_ids"}:
+        raise SystemExit(f"text encoder in {te_dir} does not match {_clip_class(te_dir).__name__} even with the "
+                         f"prefix fixed; {len(missing)} keys missing, e.g. {sorted(missing)[:3]}")
+    add = any(k.startswith(TE_PREFIX) for k in expected)
+
+    def rename(k: str) -> str:
+        if add:
+            return k if k.startswith(TE_PREFIX) or k.startswith("text_projection") else TE_PREFIX + k
+        return k.removeprefix(TE_PREFIX)
+
+    return {"te_layout": ("added" if add else "removed") + f" the {TE_PREFIX!r} prefix",
+            "te_missing_keys_before": len(missing)}, rename
+
+
 def prepare_source(model_dir: Path, dest: Path) -> dict[str, Any]:
-    """The folder optimum-intel exports from: ``model_dir`` itself, or (when its text encoder's
-    keys do not match what this transformers' CLIPTextModel expects) a shadow folder whose entries
-    link to ``model_dir`` except ``text_encoder/``, re-saved with the keys this version expects.
+    """The folder optimum-intel exports from: ``model_dir`` itself, or (when a CLIP text encoder's
+    keys do not match what this transformers' class expects) a shadow folder whose entries link to
+    ``model_dir`` except those text encoders, re-saved with the keys this version expects.
 
     Why: transformers >= 5.6 saves CLIPTextModel without the ``text_model.`` prefix; the
     transformers that optimum-intel allows (< 5.6) wants the prefix and, without it, silently
@@ -156,58 +203,58 @@ def prepare_source(model_dir: Path, dest: Path) -> dict[str, Any]:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    te_dir = model_dir / "text_encoder"
-    files = sorted(te_dir.glob("*.safetensors"))
-    if len(files) != 1:
-        return {"source": str(model_dir), "te_layout": f"not checked ({len(files)} safetensors files)"}
-    with safe_open(str(files[0]), "pt") as f:
-        keys = set(f.keys())
-    expected = _expected_te_keys(te_dir)
-    missing = expected - keys
-    if not missing:
-        return {"source": str(model_dir), "te_layout": "as saved", "te_missing_keys": 0}
-    if {k.removeprefix(TE_PREFIX) for k in expected} - {k.removeprefix(TE_PREFIX) for k in keys} - {"embeddings.position_ids"}:
-        raise SystemExit(f"text encoder in {te_dir} does not match CLIPTextModel even with the prefix fixed; "
-                         f"{len(missing)} keys missing, e.g. {sorted(missing)[:3]}")
-    add = all(k.startswith(TE_PREFIX) for k in expected)
-    rename = (lambda k: TE_PREFIX + k) if add else (lambda k: k.removeprefix(TE_PREFIX))
+    fixes = {d.name: _te_fix(d) for d in _te_folders(model_dir)}
+    if not any(rename for _, rename in fixes.values()):
+        notes = {name: note or {"te_layout": "as saved", "te_missing_keys": 0} for name, (note, _) in fixes.items()}
+        return {"source": str(model_dir), **(notes.get("text_encoder") or {}), "te_folders": notes}
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     for entry in model_dir.iterdir():
-        if entry.name != "text_encoder":
+        if not (entry.name in fixes and fixes[entry.name][1]):
             (dest / entry.name).symlink_to(entry.resolve())
-    (dest / "text_encoder").mkdir()
-    for entry in te_dir.iterdir():
-        if entry.suffix != ".safetensors":
-            shutil.copy2(entry, dest / "text_encoder" / entry.name)
-    with safe_open(str(files[0]), "pt") as f:
-        tensors = {rename(k): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
-    save_file(tensors, str(dest / "text_encoder" / files[0].name), metadata={"format": "pt"})
-    left = _expected_te_keys(dest / "text_encoder") - set(tensors) - {"text_model.embeddings.position_ids",
-                                                                     "embeddings.position_ids"}
-    if left:
-        raise SystemExit(f"re-saved text encoder still misses {sorted(left)[:3]}")
-    return {"source": str(dest), "te_layout": ("added" if add else "removed") + f" the {TE_PREFIX!r} prefix",
-            "te_missing_keys_before": len(missing)}
+    for name, (_note, rename) in fixes.items():
+        if rename is None:
+            continue
+        (dest / name).mkdir()
+        for entry in (model_dir / name).iterdir():
+            if entry.suffix != ".safetensors":
+                shutil.copy2(entry, dest / name / entry.name)
+        file = sorted((model_dir / name).glob("*.safetensors"))[0]
+        with safe_open(str(file), "pt") as f:
+            tensors = {rename(k): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+        save_file(tensors, str(dest / name / file.name), metadata={"format": "pt"})
+        left = _expected_te_keys(dest / name) - set(tensors) - {"text_model.embeddings.position_ids",
+                                                                 "embeddings.position_ids"}
+        if left:
+            raise SystemExit(f"re-saved {name} still misses {sorted(left)[:3]}")
+    notes = {name: note or {"te_layout": "as saved", "te_missing_keys": 0} for name, (note, _) in fixes.items()}
+    return {"source": str(dest), **(notes.get("text_encoder") or {}), "te_folders": notes}
 
 
 def te_check(source: Path, ov_pipe, prompt: str, out_dir: Path) -> dict[str, Any]:
-    """The exported text encoder against torch's CLIPTextModel from the same folder (both must give
-    the same hidden states: an export of random-init weights would differ by ~140%)."""
+    """The exported text encoder against torch's CLIP class from the same folder (both must give
+    the same hidden states: an export of random-init weights would differ by ~140%). The OV
+    model's outputs are compared by shape (a CLIP with projection gives ``text_embeds`` first)."""
     import torch
-    from transformers import CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTokenizer
 
     tok = CLIPTokenizer.from_pretrained(source / "tokenizer")
     ids = tok([prompt], padding="max_length", max_length=tok.model_max_length, truncation=True,
               return_tensors="pt").input_ids
-    te, info = CLIPTextModel.from_pretrained(source / "text_encoder", output_loading_info=True)
+    te, info = _clip_class(source / "text_encoder").from_pretrained(source / "text_encoder", output_loading_info=True)
     with torch.no_grad():
-        ref = te.eval()(ids)[0].numpy()
-    got = ov_pipe.text_encoder(ids)[0].numpy()
+        ref = te.eval()(ids).last_hidden_state.numpy()
+    outs = ov_pipe.text_encoder(ids)
+    outs = list(outs.values()) if hasattr(outs, "values") else list(outs)
+    got = [np.asarray(o) for o in outs if np.asarray(o).shape == ref.shape]
+    if not got:
+        raise SystemExit(f"the exported text encoder gives no output shaped {ref.shape}")
+    errors = [_rel_l2(g, ref) for g in got]
+    best = got[int(np.argmin(errors))]
     np.save(out_dir / "te_hidden_torch.npy", ref)
-    np.save(out_dir / "te_hidden_ov.npy", got)
+    np.save(out_dir / "te_hidden_ov.npy", best)
     return {"te_missing_keys": len(info["missing_keys"]), "te_unexpected_keys": len(info["unexpected_keys"]),
-            "te_ov_vs_torch_rel_l2": _rel_l2(got, ref)}
+            "te_ov_vs_torch_rel_l2": min(errors)}
 
 
 # ---- build ----------------------------------------------------------------------------------
@@ -279,6 +326,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     prep = prepare_source(Path(model_dir), export_dir.with_name(export_dir.name + ".src"))
     prep_s = time.perf_counter() - start
     qc = None
+    if args.mode in WEIGHT_BITS:
+        qc = OVWeightQuantizationConfig(bits=WEIGHT_BITS[args.mode])
     if args.mode == "hybrid-int8":
         prompts = list(CALIBRATION_PROMPTS)
         qc = OVWeightQuantizationConfig(bits=8, quant_method="hybrid", dataset=prompts,
@@ -320,14 +369,18 @@ def _disk(export_dir: Path) -> dict[str, Any]:
 
 
 class Timer:
-    """Wall time per call of the text encoder, UNet and VAE decoder (instance-level wrappers of
-    the OV pipeline parts' ``forward``/``decode``); keeps the latents handed to ``vae.decode``."""
+    """Wall time per call of the text encoders (SD3: three, FLUX.1: two; "clip" sums them), the
+    denoiser (UNet or transformer: "unet", as the harness's rows name it) and the VAE decoder
+    (instance-level wrappers of the OV pipeline parts' ``forward``/``decode``); keeps the latents
+    handed to ``vae.decode``."""
 
     def __init__(self, pipe) -> None:
         self.times: dict[str, list[float]] = {"clip": [], "unet": [], "vae": []}
         self.last_latent = None
-        for name, part, attr in (("clip", pipe.text_encoder, "forward"), ("unet", pipe.unet, "forward"),
-                                 ("vae", pipe.vae, "decode")):
+        encoders = [getattr(pipe, n, None) for n in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+        parts = [("clip", te, "forward") for te in encoders if te is not None]
+        parts += [("unet", denoiser(pipe), "forward"), ("vae", pipe.vae, "decode")]
+        for name, part, attr in parts:
             setattr(part, attr, self._wrap(name, getattr(part, attr)))
 
     def _wrap(self, name: str, fn):
@@ -348,6 +401,11 @@ class Timer:
             v.clear()
 
 
+def denoiser(pipe):
+    """The OV pipeline's UNet, or its transformer (SD3, FLUX.1)."""
+    return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -361,7 +419,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pipe = pipeline_class(Path(args.export_dir)).from_pretrained(args.export_dir, compile=False, local_files_only=True,
                                                                  ov_config=ov_config)
     pipe.reshape(batch_size=1, height=args.height, width=args.width, num_images_per_prompt=1)
-    if args.guidance_scale <= 1 and not lcm:
+    if args.guidance_scale <= 1 and not lcm and getattr(pipe, "unet", None) is not None:
         unet_rows(pipe, 1)
     pipe.compile()
     load_s = time.perf_counter() - start
@@ -369,14 +427,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pipe.set_progress_bar_config(disable=True)
     scheduler = type(pipe.scheduler).__name__
     precision = {name: getattr(pipe, name).request.get_property("INFERENCE_PRECISION_HINT").get_type_name()
-                 for name in ("text_encoder", "unet", "vae_decoder")}
+                 for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_decoder")
+                 if getattr(pipe, name, None) is not None and getattr(getattr(pipe, name), "request", None) is not None}
     hwm_reset = _reset_hwm()
     timer = Timer(pipe)
 
     def generate(steps: int):
         g = torch.Generator("cpu").manual_seed(args.seed)
+        extra = {"max_sequence_length": args.text} if args.text and getattr(pipe, "transformer", None) is not None else {}
         return pipe(args.prompt, height=args.height, width=args.width, num_inference_steps=steps,
-                    guidance_scale=args.guidance_scale, generator=g, output_type="np").images[0]
+                    guidance_scale=args.guidance_scale, generator=g, output_type="np", **extra).images[0]
 
     generate(2)  # warm-up, as the harness does
     totals, unet_calls, clips, vaes = [], [], [], []
@@ -424,7 +484,9 @@ def unet_rows(pipe, rows: int) -> None:
 
 
 def _unet_rows_now(pipe) -> str:
-    return str(next(i.get_partial_shape() for i in pipe.unet.model.inputs if i.get_any_name() == "sample"))
+    model = denoiser(pipe).model
+    return str(next((i.get_partial_shape() for i in model.inputs if i.get_any_name() in ("sample", "hidden_states")),
+                    model.inputs[0].get_partial_shape()))
 
 
 # ---- the parent: both phases in subprocesses, one JSON row ------------------------------------
@@ -527,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: optimum-intel's, 200)")
     p.add_argument("--inference-precision", default=None, choices=("f32", "bf16"),
                    help="override the CPU plugin's inference precision (a check: f32 should match diffusers fp32)")
+    p.add_argument("--text", type=int, default=None, help="T5 tokens (max_sequence_length) of SD3 / FLUX.1 "
+                   "pipelines, as the harness's rows use")
     p.add_argument("--rebuild", action="store_true", help="export again even when --export-dir has a build")
     p.add_argument("--phase", choices=("all", "build", "run"), default="all")
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)

@@ -90,7 +90,8 @@ def payload(args, strength: float | None, steps: int | None = None, size: int | 
     if args.guidance.lower() != "none":
         body["distilled_cfg_scale"] = float(args.guidance)
     return {**body, "width": size, "height": size, "sampler_name": args.sampler,
-            "scheduler": args.scheduler, "batch_size": 1, "n_iter": 1, "send_images": True, "save_images": False,
+            "scheduler": args.scheduler, "batch_size": args.batch, "n_iter": 1, "send_images": True, "save_images": False,
+            "do_not_save_grid": True,
             "override_settings": {"sd_model_checkpoint": args.checkpoint,
                                   "forge_additional_modules": args.modules.split(","),
                                   **FAMILIES[args.family]["settings"]},
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--strengths", help="LoRA strengths, comma-separated ('' for no LoRA run)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--precision", default="auto")
+    ap.add_argument("--batch", type=int, default=1, help="images per job (batch_size); the engine is built for "
+                    "batch 1, so a larger batch runs the engine in chunks")
     args = ap.parse_args()
     for key, value in FAMILIES[args.family].items():
         if key != "settings" and getattr(args, key) is None:
@@ -191,9 +194,10 @@ def main() -> None:
                 seconds = time.time() - t0
                 sink.flush()
                 text = log_since(log, mark)
-                png = base64.b64decode(answer["images"][0])
-                (out / f"{fam}_{args.mode}_{name}.png").write_bytes(png)
-                images[name] = png
+                pngs = [base64.b64decode(b) for b in answer["images"]]
+                for i, png in enumerate(pngs):
+                    (out / f"{fam}_{args.mode}_{name}{f'_{i}' if i else ''}.png").write_bytes(png)
+                images[name] = pngs
                 info = json.loads(answer.get("info") or "{}")
                 result["runs"].append({"name": name, "s": round(seconds, 1), "s_per_it": sampler_s_per_it(text),
                                        "peak_gib": vm_kib(proc.pid, "VmHWM") / 2**20,
@@ -205,17 +209,18 @@ def main() -> None:
             import numpy as np
             from PIL import Image  # Forge's Python has Pillow and numpy
 
-            def pixels(png: bytes):
-                return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float64)
+            def pixels(pngs: list[bytes]):
+                return np.stack([np.asarray(Image.open(io.BytesIO(p)).convert("RGB"), dtype=np.float64) for p in pngs])
 
             plain = pixels(images["plain"])
             for run in result["runs"]:
                 a = pixels(images[run["name"]])
                 run["stats"] = {"mean": float(a.mean()), "std": float(a.std())}
                 run["mean_abs_diff_from_plain"] = float(np.abs(a - plain).mean())
-                theirs = out / f"{fam}_torch_{run['name']}.png"
-                if args.mode == "engines" and theirs.is_file():
-                    mse = float(((a - pixels(theirs.read_bytes())) ** 2).mean())
+                run["images"] = len(a)
+                theirs = [out / f"{fam}_torch_{run['name']}{f'_{i}' if i else ''}.png" for i in range(len(a))]
+                if args.mode == "engines" and all(t.is_file() for t in theirs):
+                    mse = float(((a - pixels([t.read_bytes() for t in theirs])) ** 2).mean())
                     run["psnr_vs_torch_db"] = float("inf") if mse == 0 else 10 * float(np.log10(255.0**2 / mse))
         finally:
             result["peak_gib"] = max(sampler.peak, vm_kib(proc.pid, "VmHWM")) / 2**20
