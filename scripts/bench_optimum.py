@@ -351,7 +351,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
            "build_peak_ram_gb": _peak_ram_gb(), "calibration": (
                {"prompts": len(CALIBRATION_PROMPTS), "num_samples": args.num_samples or 200,
                 "note": "optimum-intel calibrates at min(unet.sample_size*8, 512) px, 50 steps"}
-               if qc else None),
+               if args.mode == "hybrid-int8" else None),
            **prep, **check, **tiny_info, "engine_rel_l2": {"clip.te_ov_vs_torch": check["te_ov_vs_torch_rel_l2"]},
            "versions": versions()}
     (export_dir / "build.json").write_text(json.dumps(out, indent=2))

@@ -19,7 +19,7 @@ bench = load("bench")  # scripts/bench.py: the harness lives beside the package,
 CPU_VARIANTS, OPTIMUM, OPTIMUM_SETUP, BenchConfig = bench.CPU_VARIANTS, bench.OPTIMUM, bench.OPTIMUM_SETUP, bench.BenchConfig
 prefix_text_encoder, run_bench = bench.prefix_text_encoder, bench.run_bench
 
-ROWS = ("optimum-intel-default", "optimum-intel-hybrid-int8")
+ROWS = ("optimum-intel-default", "optimum-intel-hybrid-int8", "optimum-intel-int8", "optimum-intel-int4")
 
 
 def test_the_default_cpu_rows_include_optimum_intel():
@@ -107,6 +107,43 @@ def test_the_text_encoder_is_saved_with_the_prefix_older_transformers_need(tmp_p
         assert torch.equal(f.get_tensor("text_model.embeddings.token_embedding.weight"),
                            weights["embeddings.token_embedding.weight"])
     assert prefix_text_encoder(te) is False  # already prefixed: left alone
+
+
+def test_a_clip_with_projection_keeps_its_projection_at_the_top(tmp_path):
+    """SDXL's and SD3's second CLIP (and SD3's first) carry ``text_projection`` beside
+    ``text_model``: prefixing it too would leave the projection at random init in optimum's venv."""
+    te = tmp_path / "text_encoder_2"
+    te.mkdir()
+    save_file({"embeddings.token_embedding.weight": torch.randn(4, 2), "text_projection.weight": torch.randn(2, 2)},
+              str(te / "model.safetensors"))
+    assert prefix_text_encoder(te) is True
+    with safe_open(str(te / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == {"text_model.embeddings.token_embedding.weight", "text_projection.weight"}
+
+
+def test_transformer_families_reach_optimum_intels_pipelines(tmp_path):
+    """SD3 / FLUX.1 folders map to optimum-intel's own classes; the text length goes to the script;
+    the timer and the row-shape readout find the transformer where an SD pipeline has its UNet."""
+    from types import SimpleNamespace
+
+    script = load("bench_optimum")
+    assert script.OV_PIPELINES["StableDiffusion3Pipeline"] == "OVStableDiffusion3Pipeline"
+    assert script.OV_PIPELINES["FluxPipeline"] == "OVFluxPipeline"
+    assert script.WEIGHT_BITS == {"int8": 8, "int4": 4} and set(script.VARIANTS) == {OPTIMUM[r] for r in ROWS}
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    cfg = BenchConfig(model=str(model), device="cpu", height=1024, width=1024, engine_dir=str(tmp_path / "e"),
+                      text_length=256, guidance_scale=4.5)
+    args = dict(zip(*[iter(bench._optimum_cmd(cfg, "optimum-intel-int8", "run", tmp_path)[2:])] * 2, strict=True))
+    assert args["--mode"] == "int8" and args["--text"] == "256" and args["--guidance-scale"] == "4.5"
+    unet_pipe, dit_pipe = SimpleNamespace(unet="u"), SimpleNamespace(unet=None, transformer="t")
+    assert script.denoiser(unet_pipe) == "u" and script.denoiser(dit_pipe) == "t"
+    for name, arch in (("text_encoder", "CLIPTextModelWithProjection"), ("text_encoder_2", "CLIPTextModelWithProjection"),
+                       ("text_encoder_3", "T5EncoderModel")):
+        (model / name).mkdir()
+        (model / name / "config.json").write_text(f'{{"architectures": ["{arch}"]}}')
+    assert [d.name for d in script._te_folders(model)] == ["text_encoder", "text_encoder_2"]
 
 
 def test_a_cfg_0_unet_is_reshaped_to_one_row_per_image():

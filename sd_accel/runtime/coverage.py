@@ -91,18 +91,18 @@ def _request(feed: dict[str, torch.Tensor], handles: list) -> tuple[str, tuple[i
     return "", None
 
 
-def _outside(feed: dict[str, torch.Tensor], handles: list) -> str:
+def _outside(feed: dict[str, torch.Tensor], handles: list) -> tuple[str, str, int]:
     """The first input dimension of ``feed`` outside every engine's range, said with the nearest
     engine's range (``encoder_hidden_states dim 1 is 512, the engine takes 32-128``): the reason
-    where pixels and batch fit (a T5 length, a token count)."""
+    where pixels and batch fit (a T5 length, a token count); with the input's name and dimension."""
     for name, value in feed.items():
         for dim, size in enumerate(value.shape):
             ranges = [(h.shapes[name][0][dim], h.shapes[name][2][dim]) for h in handles
                       if name in h.shapes and len(h.shapes[name][0]) == value.dim()]
             if ranges and not any(lo <= size <= hi for lo, hi in ranges):
                 lo, hi = min(ranges, key=lambda r: min(abs(size - r[0]), abs(size - r[1])))
-                return f"{name} dim {dim} is {size}, the engine takes {_span((lo, lo, hi))}"
-    return ""
+                return f"{name} dim {dim} is {size}, the engine takes {_span((lo, lo, hi))}", name, dim
+    return "", "", -1
 
 
 def uncovered(feed: dict[str, torch.Tensor], handles: list) -> str:
@@ -114,10 +114,14 @@ def uncovered(feed: dict[str, torch.Tensor], handles: list) -> str:
     sizes = covered(handles)
     if sizes:
         text += "; the engines cover " + "; ".join(sizes)
-    outside = _outside(feed, handles)
+    outside, name, dim = _outside(feed, handles)
     if outside:
         text += f"; out of their range: {outside}"
-        if size is None and any((got := _scale(h)) is not None and got[0].text is not None for h in handles):
+        texts = any((got := _scale(h)) is not None and got[0].text is not None for h in handles)
+        if size is None and texts and dim == 0:  # a transformer's batch (its feed has no image-shaped input)
+            text += (f"; build one whose batch reaches {feed[name].shape[0]} (sd-accel build --batch N; "
+                     "Profile(batch=...)), or generate fewer images at once")
+        elif size is None and texts:
             text += ("; build one whose T5 length reaches the pipeline's max_sequence_length (sd-accel build "
                      "--text N; Profile(text=N)), or call the pipeline with a max_sequence_length the engines take")
     if size is not None:
