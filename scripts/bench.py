@@ -681,7 +681,8 @@ def _worker(mode: str, cfg: BenchConfig, variant: str, work: Path, inprocess: bo
         cmd = _optimum_cmd(cfg, variant, mode, work)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not result.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+        # (progress bars redraw with \r: each redraw is a line, so the error is in the tail, not them)
+        tail = [ln for ln in (proc.stderr or proc.stdout).replace("\r", "\n").strip().splitlines() if ln.strip()][-8:]
         raise BenchError(f"{variant} {mode} failed (exit {proc.returncode}):\n" + "\n".join(tail))
     return json.loads(result.read_text())
 
