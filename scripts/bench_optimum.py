@@ -82,6 +82,8 @@ OV_PIPELINES = {"LatentConsistencyModelPipeline": "OVLatentConsistencyModelPipel
 # int8 / int4: optimum-intel's weight-only compression of every part (what its default export does to
 # a model above 1e9 parameters, ``--weight-format int8``; int4 with its defaults: group 128, ratio 1)
 WEIGHT_BITS = {"int8": 8, "int4": 4}
+# the exported text encoder's relative error against torch that still means "its weights are in"
+TE_TOLERANCE = {"int4": 0.6}
 TE_PREFIX = "text_model."
 
 
@@ -342,8 +344,9 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     tiny_info = put_tiny_decoder(Path(tiny), tmp) if tiny else {"tiny_vae": None}
     build_s = time.perf_counter() - t0
     check = te_check(Path(prep["source"]), pipe, args.prompt, tmp)  # compiles the TE only (dynamic)
-    # the trap prepare_source avoids: a text encoder left at random init would differ by ~140%
-    if check["te_missing_keys"] or check["te_ov_vs_torch_rel_l2"] > 0.2:
+    # the trap prepare_source avoids: a text encoder left at random init would differ by ~140%;
+    # int4 weights alone move a random-weight CLIP by ~30% (SD3.5's CLIP-L: 0.30)
+    if check["te_missing_keys"] or check["te_ov_vs_torch_rel_l2"] > TE_TOLERANCE.get(args.mode, 0.2):
         raise SystemExit(f"exported text encoder does not carry the model's weights: {check}")
     shutil.rmtree(export_dir, ignore_errors=True)
     tmp.rename(export_dir)
