@@ -168,3 +168,36 @@ def test_a_cfg_0_unet_is_reshaped_to_one_row_per_image():
     shapes = {i.get_any_name(): i.get_partial_shape().to_shape() for i in model.inputs}
     assert shapes == {"sample": [1, 4, 8, 8], "timestep": [1], "encoder_hidden_states": [1, 77, 16]}
     assert script._unet_rows_now(pipe) == "[1,4,8,8]"
+
+
+def test_every_clip_folder_is_re_saved_in_the_layout_the_venv_expects(tmp_path):
+    """A SD3-like folder with two CLIPs with projection saved without the ``text_model.`` prefix
+    (what newer transformers write for CLIPTextModel): the folder optimum-intel exports from has
+    both re-saved with it, ``text_projection`` at the top, T5 and the rest linked as they are."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    script = load("bench_optimum")
+    model = tmp_path / "model"
+    config = CLIPTextConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            projection_dim=4, vocab_size=32, max_position_embeddings=8)
+    for name in ("text_encoder", "text_encoder_2"):
+        te = CLIPTextModelWithProjection(config)
+        te.config.architectures = ["CLIPTextModelWithProjection"]
+        te.save_pretrained(model / name)
+        state = {k.removeprefix("text_model."): v.contiguous() for k, v in te.state_dict().items()}
+        for old in (model / name).glob("*.safetensors"):
+            old.unlink()
+        save_file(state, str(model / name / "model.safetensors"))
+    (model / "text_encoder_3").mkdir()
+    (model / "text_encoder_3" / "config.json").write_text('{"architectures": ["T5EncoderModel"]}')
+    (model / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    prep = script.prepare_source(model, tmp_path / "src")
+    src = Path(prep["source"])
+    assert src == tmp_path / "src" and set(prep["te_folders"]) == {"text_encoder", "text_encoder_2"}
+    for name in ("text_encoder", "text_encoder_2"):
+        assert prep["te_folders"][name]["te_layout"] == "added the 'text_model.' prefix"
+        with safe_open(str(src / name / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        assert "text_projection.weight" in keys and "text_model.final_layer_norm.weight" in keys
+        assert not (src / name).is_symlink()
+    assert (src / "text_encoder_3").is_symlink() and (src / "model_index.json").is_symlink()
