@@ -35,6 +35,9 @@ then with ``<lora:NAME:S>`` in the prompt at each of ``--strengths``. ``--mode``
   builds (or finds, in ``--engine-dir``) the transformer engine at static ``--size``, batch 1
   (``--backend`` / ``--precision``, default auto), VmHWM is reset, then the same runs.
 
+``--batch N`` asks each job for N images (``batch_size``; the engine is built for batch 1, so it runs
+in chunks); every image is saved (``..._<run>.png``, ``..._<run>_1.png`` ...) and compared.
+
 Recorded to ``<out>/forge_<family>-<mode>.json``: the Forge process's VmHWM (the runs' own in engines
 mode), each run's s/it and seconds, the FLUX/LoRA/sd-accel lines of Forge's log, the mean absolute
 difference of the images from the plain one, and, where ``<out>`` holds the torch mode's images,
