@@ -206,8 +206,8 @@ def prepare_source(model_dir: Path, dest: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     fixes = {d.name: _te_fix(d) for d in _te_folders(model_dir)}
+    notes = {name: note or {"te_layout": "as saved", "te_missing_keys": 0} for name, (note, _) in fixes.items()}
     if not any(rename for _, rename in fixes.values()):
-        notes = {name: note or {"te_layout": "as saved", "te_missing_keys": 0} for name, (note, _) in fixes.items()}
         return {"source": str(model_dir), **(notes.get("text_encoder") or {}), "te_folders": notes}
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
@@ -229,7 +229,6 @@ def prepare_source(model_dir: Path, dest: Path) -> dict[str, Any]:
                                                                  "embeddings.position_ids"}
         if left:
             raise SystemExit(f"re-saved {name} still misses {sorted(left)[:3]}")
-    notes = {name: note or {"te_layout": "as saved", "te_missing_keys": 0} for name, (note, _) in fixes.items()}
     return {"source": str(dest), **(notes.get("text_encoder") or {}), "te_folders": notes}
 
 
